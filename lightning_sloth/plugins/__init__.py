@@ -1,0 +1,22 @@
+"""Lightning plugins: the Strategy (model transformation), the Precision plugin, callbacks."""
+
+from lightning_sloth.plugins.callbacks import (
+    GradientFlowError,
+    GradientFlowGuard,
+    SaveAdapter,
+    SlothThroughputMonitor,
+)
+from lightning_sloth.plugins.precision import SlothPrecision, resolve_precision
+from lightning_sloth.plugins.strategy import SlothDDPStrategy, SlothStrategy, find_hf_model
+
+__all__ = [
+    "GradientFlowError",
+    "GradientFlowGuard",
+    "SaveAdapter",
+    "SlothDDPStrategy",
+    "SlothPrecision",
+    "SlothStrategy",
+    "SlothThroughputMonitor",
+    "find_hf_model",
+    "resolve_precision",
+]
