@@ -224,11 +224,8 @@ class CausalLMModule(LightningModule):
         if not hasattr(self, "_flop_params"):
             self._flop_params = flop_parameters(self.model)
         cfg = self.model.config
-        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).cpu() if batch.cu_seqlens.is_cpu else None
-        attn = 0
-        if lengths is not None:
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * int((lengths**2).sum())
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * batch.sum_sq_seqlens
         return 6 * self._flop_params * batch.num_tokens + attn
 
     def configure_optimizers(self):

@@ -37,6 +37,7 @@ class PackedBatch:
         num_tokens: real (non-padding) tokens in the batch.
         num_target_tokens: tokens that carry a loss (labels != -100 after the shift).
         capacity: ``T``, the token budget the batch was packed into.
+        sum_sq_seqlens: ``Σ len²`` over the real documents (host int), for attention FLOP counts.
     """
 
     input_ids: Tensor
@@ -47,6 +48,7 @@ class PackedBatch:
     num_tokens: int
     num_target_tokens: int
     capacity: int
+    sum_sq_seqlens: int = 0
 
     @property
     def num_documents(self) -> int:
