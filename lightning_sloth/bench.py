@@ -1,0 +1,291 @@
+"""Benchmark harness: real tokens/s, peak memory and MFU of one fine-tuning workload, per system.
+
+Every system trains the same model shape (random weights), the same seeded samples, the same
+LoRA and the same token budget per optimizer step; warm-up (compilation included) is excluded,
+``torch.cuda.synchronize`` brackets every timed step, and the step time reported is the median::
+
+    python -m lightning_sloth.bench --shape llama_3_2_1b --systems hf_padded,sloth --out results.json
+
+Systems:
+    hf_padded   transformers + PEFT, SDPA attention, padded batches, gradient checkpointing.
+    sloth       the same model through lightning_sloth: packed batches, packed attention,
+                gradient checkpointing (what ``SlothStrategy`` applies).
+
+MFU counts model FLOPs as ``6 · N · tokens + 6 · layers · heads · head_dim · Σ len²`` (``N``: all
+parameters but the input embedding; the second term is causal attention), real tokens only,
+over the device's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lightning_sloth.module import flop_parameters
+
+SHAPES = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "llama_3_2_1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama_3_1_8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+}
+
+
+@dataclass
+class Workload:
+    """Seeded synthetic samples with lognormal lengths, grouped into steps of a token budget."""
+
+    shape: str = "llama_3_2_1b"
+    tokens_per_step: int = 16384
+    median_len: int = 250
+    sigma: float = 0.8
+    min_len: int = 16
+    max_len: int = 2048
+    prompt_fraction: float = 0.25
+    lora_r: int = 16
+    warmup_steps: int = 3
+    timed_steps: int = 20
+    seed: int = 0
+
+    def lengths(self, count: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed)
+        raw = torch.empty(count).log_normal_(math.log(self.median_len), self.sigma, generator=gen)
+        return raw.round().clamp(self.min_len, self.max_len).long().tolist()
+
+    def samples(self, vocab: int) -> list[tuple[list[int], list[int]]]:
+        steps = self.warmup_steps + self.timed_steps
+        count = int(steps * self.tokens_per_step / self.median_len * 1.6) + 8
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        out = []
+        for n in self.lengths(count):
+            ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+            cut = max(1, int(n * self.prompt_fraction))
+            out.append((ids, [-100] * cut + ids[cut:]))
+        return out
+
+
+def group_consecutive(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive samples per step while their real tokens fit the budget (the padded baseline)."""
+    steps, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > budget:
+            steps.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        steps.append(current)
+    return steps
+
+
+def padded_batch(samples, pad_id: int) -> dict:
+    """``[B, L]`` right-padded batch with attention mask (the ordinary transformers recipe)."""
+    longest = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((len(samples), longest), pad_id)
+    labels = torch.full((len(samples), longest), -100)
+    mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    for row, (ids, lab) in enumerate(samples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(ids)] = torch.tensor(lab)
+        mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+
+def _hf_padded_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[dict, int, int]]:
+    for idx in group_consecutive([len(s[0]) for s in samples], workload.tokens_per_step):
+        group = [samples[i] for i in idx]
+        yield padded_batch(group, pad_id), sum(len(s[0]) for s in group), sum(len(s[0]) ** 2 for s in group)
+
+
+def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[dict, int, int]]:
+    from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
+
+    collate = PackedCollator(max_tokens=workload.tokens_per_step, pad_token_id=pad_id)
+    for idx in pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step):
+        group = [samples[i] for i in idx]
+        batch = collate(group)
+        inputs = batch.model_inputs() | {"labels": batch.labels}
+        yield inputs, batch.num_tokens, sum(len(s[0]) ** 2 for s in group)
+
+
+def build_model(workload: Workload, attn: str):
+    """A random-weight Llama of the workload's shape in bf16, with PEFT LoRA on all projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(workload.seed)
+    config = LlamaConfig(**SHAPES[workload.shape], attn_implementation=attn, use_cache=False)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    lora = LoraConfig(
+        r=workload.lora_r,
+        lora_alpha=2 * workload.lora_r,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _setup_sloth(workload: Workload):
+    from lightning_sloth.attention import enable_packed_attention
+
+    model = build_model(workload, "sdpa")
+    enable_packed_attention(model)
+    return model
+
+
+SYSTEMS: dict[str, tuple[Callable, Callable]] = {
+    "hf_padded": (lambda w: build_model(w, "sdpa"), _hf_padded_batches),
+    "sloth": (_setup_sloth, _packed_batches),
+}
+
+
+def _to_cuda(inputs: dict) -> dict:
+    return {k: v.to("cuda", non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+
+def run_system(name: str, workload: Workload, samples, peak_flops: float) -> dict:
+    """Train ``warmup_steps + timed_steps`` steps of one system and measure the timed ones."""
+    setup, batches = SYSTEMS[name]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = setup(workload)
+    model.train()
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    n_params = flop_parameters(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    times, tokens, flops, losses = [], [], [], []
+    grad_norm = float("nan")
+    steps = workload.warmup_steps + workload.timed_steps
+    for step, (inputs, real_tokens, sum_sq) in enumerate(batches(workload, samples, cfg.pad_token_id or 0)):
+        if step == steps:
+            break
+        inputs = _to_cuda(inputs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        if step == steps - 1:
+            grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
+            grad_norm = float(torch.stack(grads).norm())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss))
+        if step >= workload.warmup_steps:
+            times.append(elapsed)
+            tokens.append(real_tokens)
+            flops.append(
+                6 * n_params * real_tokens
+                + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * sum_sq
+            )
+    if len(times) < workload.timed_steps:
+        raise RuntimeError(f"{name}: only {len(times)} timed steps; raise the sample count")
+    result = {
+        "system": name,
+        "tokens_per_s": sum(tokens) / sum(times),
+        "median_step_s": statistics.median(times),
+        "median_tokens_per_step": statistics.median(tokens),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "mfu": sum(flops) / sum(times) / peak_flops,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "trainable_grad_norm": grad_norm,
+        "timed_steps": len(times),
+    }
+    del model, optimizer
+    return result
+
+
+def environment() -> dict:
+    """Device and library versions recorded with every result."""
+    import lightning
+    import transformers
+
+    env = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="lightning_sloth fine-tuning benchmark (CUDA)")
+    parser.add_argument("--shape", default="llama_3_2_1b", choices=sorted(SHAPES))
+    parser.add_argument("--systems", default="hf_padded,sloth")
+    parser.add_argument("--tokens-per-step", type=int, default=16384)
+    parser.add_argument("--timed-steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs a CUDA GPU")
+    workload = Workload(
+        shape=args.shape,
+        tokens_per_step=args.tokens_per_step,
+        timed_steps=args.timed_steps,
+        warmup_steps=args.warmup_steps,
+    )
+    samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
+    results = [run_system(s, workload, samples, args.peak_tflops * 1e12) for s in args.systems.split(",")]
+    report = {"environment": environment(), "workload": asdict(workload), "results": results}
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=2)
+    print(f"{'system':<12} {'tok/s':>9} {'step s':>7} {'peak GiB':>9} {'MFU':>6} {'loss first→last':>18}")
+    for r in results:
+        print(
+            f"{r['system']:<12} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>7.3f} "
+            f"{r['peak_allocated_gib']:>9.2f} {r['mfu']:>6.1%} {r['first_loss']:>8.3f}→{r['last_loss']:.3f}"
+        )
+    return report
+
+
+if __name__ == "__main__":
+    main()

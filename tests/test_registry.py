@@ -1,0 +1,64 @@
+"""The sloth_op factory: one registration path that works in eager, under compile, opcheck and FlopCounterMode."""
+
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_sloth.ops import _registry
+from lightning_sloth.ops._registry import TRITON_OPS, register_flops, sloth_op, use_triton
+
+
+@sloth_op("registry_test_scale")
+def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+_scale.register_fake(lambda x, factor: torch.empty_like(x))
+_scale.register_autograd(
+    lambda ctx, grad: (_scale(grad, ctx.factor), None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "factor", inputs[1]),
+)
+register_flops(_scale, lambda x, factor, out_shape=None: math.prod(x))
+
+
+def test_op_lives_in_the_sloth_namespace():
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(torch.ops.sloth.registry_test_scale(x, 2.5), x * 2.5)
+
+
+def test_triton_ops_only_with_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only expectation")
+    assert TRITON_OPS is False
+    assert not use_triton(torch.randn(2))
+
+
+def test_interpreter_selects_the_custom_op_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _registry._triton_ops_usable() is False
+
+
+def test_float64_never_goes_to_triton(monkeypatch):
+    monkeypatch.setattr(_registry, "TRITON_OPS", True)
+    assert not use_triton(torch.randn(2, dtype=torch.float64))
+    assert not use_triton(torch.randn(2))  # a CPU tensor
+
+
+def test_namespaced_name_is_refused():
+    with pytest.raises(ValueError, match="bare op name"):
+        sloth_op("sloth::twice")
+
+
+def test_opcheck_compile_and_flops():
+    x = torch.randn(5, 7, requires_grad=True)
+    torch.library.opcheck(_scale, (x, 3.0))
+
+    compiled = torch.compile(lambda t: _scale(t, 3.0).sin(), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), (x * 3.0).sin())
+
+    with FlopCounterMode(display=False) as counter:
+        _scale(x, 3.0).sum().backward()
+    assert counter.get_flop_counts()["Global"][torch.ops.sloth.registry_test_scale] == 2 * 35
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
