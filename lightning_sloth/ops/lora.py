@@ -1,0 +1,237 @@
+"""LoRA linear layer as one op with a hand-written backward: ``y = x W^T + scale (x A^T) B^T``.
+
+The base weight ``W [out, in]`` is frozen; the adapters ``A [r, in]`` and ``B [out, r]`` train. All
+the work is matrix products, which cuBLAS already does at full speed, so there is no Triton kernel:
+the gain over PEFT's module path is in what is *not* launched. PEFT runs three linears plus a scaling
+multiply and a residual add over ``[N, out]`` in the forward, and in the backward a scaling multiply
+over ``[N, out]`` and a gradient add over ``[N, in]``. Here the scale is folded into the small
+``[N, r]`` operands and the additions into ``addmm``'s epilogue::
+
+    forward   xa = x A^T                               [N, r]    (saved; r is small)
+              y  = addmm(x W^T, xa, B^T, alpha=scale)  [N, out]
+    backward  g  = scale * (dy B)                      [N, r]
+              dx = addmm(dy W, g, A)                   [N, in]
+              dA = g^T x                               [r, in]
+              dB = dy^T (scale * xa)                   [out, r]
+
+Saved for the backward: ``x`` and ``xa`` (PEFT saves the same two), plus the weights.
+"""
+
+import math
+
+import torch
+from peft.tuners.lora import Linear as LoraLinear
+from torch import Tensor, nn
+
+from lightning_sloth.ops._registry import register_flops, sloth_op
+
+__all__ = ["fused_lora_forward", "lora_linear"]
+
+
+@sloth_op("lora_linear")
+def _lora_linear_op(
+    x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(y [..., out], xa [N, r])``; ``xa`` is kept for the backward."""
+    rows = x.reshape(-1, x.shape[-1])
+    xa = rows @ lora_a.t()
+    y = torch.addmm(rows @ weight.t(), xa, lora_b.t(), alpha=scale)
+    return y.view(*x.shape[:-1], weight.shape[0]), xa
+
+
+@_lora_linear_op.register_fake
+def _lora_linear_fake(x, weight, lora_a, lora_b, scale):
+    y = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return y, x.new_empty((math.prod(x.shape[:-1]), lora_a.shape[0]))
+
+
+@sloth_op("lora_linear_backward")
+def _lora_linear_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_x: bool,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(dx, dA, dB)``; gradients not asked for are empty tensors."""
+    dy = grad_y.reshape(-1, grad_y.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
+    dx = torch.addmm(dy @ weight, g, lora_a).view(x.shape) if grad_x else x.new_empty(0)
+    da = g.t() @ rows if grad_a else x.new_empty(0)
+    db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    return dx, da, db
+
+
+@_lora_linear_backward_op.register_fake
+def _lora_linear_backward_fake(grad_y, x, xa, weight, lora_a, lora_b, scale, grad_x, grad_a, grad_b):
+    return (
+        x.new_empty(x.shape) if grad_x else x.new_empty(0),
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, lora_a, lora_b, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], weight, lora_a, lora_b)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_y, _grad_xa):
+    x, xa, weight, lora_a, lora_b = ctx.saved_tensors
+    need_x, need_w, need_a, need_b, _ = ctx.needs_input_grad
+    if need_w:
+        raise RuntimeError("sloth::lora_linear treats the base weight as frozen; it has no gradient for it")
+    dx, da, db = torch.ops.sloth.lora_linear_backward(
+        grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_x, need_a, need_b
+    )
+    return dx if need_x else None, None, da if need_a else None, db if need_b else None, None
+
+
+_lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _forward_flops(x_shape, weight_shape, a_shape, b_shape, scale, out_shape=None) -> int:
+    n_rows = math.prod(x_shape[:-1])
+    out_features, in_features = weight_shape
+    rank = a_shape[0]
+    return 2 * n_rows * (in_features * out_features + in_features * rank + rank * out_features)
+
+
+def _backward_flops(
+    grad_y_shape,
+    x_shape,
+    xa_shape,
+    weight_shape,
+    a_shape,
+    b_shape,
+    scale,
+    grad_x,
+    grad_a,
+    grad_b,
+    out_shape=None,
+) -> int:
+    n_rows = xa_shape[0]
+    out_features, in_features = weight_shape
+    rank = a_shape[0]
+    flops = 0
+    if grad_x or grad_a:
+        flops += 2 * n_rows * out_features * rank  # dy @ B
+    if grad_x:
+        flops += 2 * n_rows * (out_features * in_features + rank * in_features)
+    if grad_a:
+        flops += 2 * n_rows * rank * in_features
+    if grad_b:
+        flops += 2 * n_rows * out_features * rank
+    return flops
+
+
+register_flops(_lora_linear_op, _forward_flops)
+register_flops(_lora_linear_backward_op, _backward_flops)
+
+
+def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+    """LoRA linear layer ``x @ weight.T + scale * (x @ lora_a.T) @ lora_b.T`` (no bias, no dropout).
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32 input (e.g. ``[B, T, in]``).
+        weight: ``[out, in]`` frozen base weight (must not require grad); same dtype as x.
+        lora_a: ``[r, in]`` adapter A; same dtype as x.
+        lora_b: ``[out, r]`` adapter B; same dtype as x.
+        scale: LoRA scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA).
+
+    Returns:
+        ``[..., out]`` output in x's dtype. Gradients flow to x, lora_a and lora_b.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., in], got a 0-d tensor")
+    if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
+        raise ValueError("weight, lora_a and lora_b must be 2-D")
+    out_features, in_features = weight.shape
+    rank = lora_a.shape[0]
+    if x.shape[-1] != in_features or lora_a.shape[1] != in_features or lora_b.shape != (out_features, rank):
+        raise ValueError(
+            f"shapes do not fit a LoRA layer: x {tuple(x.shape)}, weight {tuple(weight.shape)} [out, in], "
+            f"lora_a {tuple(lora_a.shape)} [r, in], lora_b {tuple(lora_b.shape)} [out, r]"
+        )
+    dtypes = {t.dtype for t in (x, weight, lora_a, lora_b)}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"x, weight, lora_a and lora_b must share a dtype, got {x.dtype}, {weight.dtype}, "
+            f"{lora_a.dtype}, {lora_b.dtype}"
+        )
+    devices = {t.device for t in (x, weight, lora_a, lora_b)}
+    if len(devices) > 1:
+        raise ValueError(f"x, weight, lora_a and lora_b must be on one device, got {devices}")
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("lora_linear keeps the base weight frozen: weight must not require grad")
+    y, _ = torch.ops.sloth.lora_linear(x, weight, lora_a, lora_b, float(scale))
+    return y
+
+
+def _plain_weight(tensor: Tensor) -> bool:
+    # Quantized or distributed weights (Params4bit, DTensor, ...) take PEFT's own path.
+    return type(tensor) in (Tensor, nn.Parameter) and tensor.is_floating_point()
+
+
+def fused_lora_forward(module: nn.Module, x: Tensor) -> Tensor | None:
+    """Forward of a PEFT ``peft.tuners.lora.Linear`` through :func:`lora_linear`, or None to fall back.
+
+    Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
+    without bias, with a frozen unquantized weight, no dropout (``lora_dropout`` is ``Identity``), no
+    DoRA or other LoRA variant and no LoRA bias. Anything else returns None, and the caller runs the
+    module's own forward.
+
+    The product runs in the base layer's compute dtype: the autocast dtype under autocast (as
+    ``nn.Linear`` would), else the base weight's dtype (which x must have). Adapters stored in another
+    dtype (e.g. float32) are cast to it; their gradients flow back through the cast.
+
+    Args:
+        module: A ``peft.tuners.lora.Linear``.
+        x: ``[..., in]`` input.
+
+    Returns:
+        ``[..., out]`` output, or None if the module is not in the plain case.
+    """
+    if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
+        return None
+    if len(module.active_adapters) != 1:
+        return None
+    adapter = module.active_adapters[0]
+    if adapter not in module.lora_A or adapter in getattr(module, "lora_variant", {}):
+        return None
+    if module.use_dora.get(adapter, False) or getattr(module, "fan_in_fan_out", False):
+        return None
+    base = module.get_base_layer()
+    lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+    if not isinstance(module.lora_dropout[adapter], nn.Identity) or not isinstance(base, nn.Linear):
+        return None
+    if base.bias is not None or lora_b.bias is not None or lora_a.bias is not None:
+        return None
+    weight = base.weight
+    if not _plain_weight(weight) or weight.requires_grad:
+        return None
+
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif x.dtype == weight.dtype:
+        dtype = weight.dtype
+    else:
+        return None
+    return lora_linear(
+        x.to(dtype),
+        weight.to(dtype),
+        lora_a.weight.to(dtype),
+        lora_b.weight.to(dtype),
+        module.scaling[adapter],
+    )

@@ -1,0 +1,219 @@
+"""sloth::lora_linear on CPU: float64 reference, PEFT parity and fallbacks, opcheck, compile, FLOPs."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_sloth.ops.lora import fused_lora_forward, lora_linear
+
+N, IN, OUT, R = 37, 48, 40, 5
+SCALE = 1.7
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(4321)
+
+
+def _weights(dtype=torch.float32):
+    weight = torch.randn(OUT, IN, dtype=dtype) / IN**0.5
+    lora_a = (torch.randn(R, IN, dtype=dtype) / IN**0.5).requires_grad_()
+    lora_b = torch.randn(OUT, R, dtype=dtype).requires_grad_()
+    return weight, lora_a, lora_b
+
+
+def _reference(x, weight, lora_a, lora_b, scale):
+    leaves = [t.detach().double().requires_grad_() for t in (x, lora_a, lora_b)]
+    xd, a, b = leaves
+    return xd @ weight.double().t() + scale * (xd @ a.t()) @ b.t(), leaves
+
+
+@pytest.mark.parametrize("shape", [(N, IN), (3, 7, IN)])
+def test_forward_backward_match_float64(shape):
+    weight, lora_a, lora_b = _weights()
+    x = torch.randn(shape).requires_grad_()
+    y = lora_linear(x, weight, lora_a, lora_b, SCALE)
+    grad_y = torch.randn(y.shape)
+    y.backward(grad_y)
+
+    ref, (xd, a, b) = _reference(x, weight, lora_a, lora_b, SCALE)
+    ref.backward(grad_y.double())
+    assert y.shape == (*shape[:-1], OUT) and y.dtype == torch.float32
+    for got, expected in [(y, ref), (x.grad, xd.grad), (lora_a.grad, a.grad), (lora_b.grad, b.grad)]:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_noncontiguous_input_and_partial_gradients():
+    weight, lora_a, lora_b = _weights()
+    lora_a.requires_grad_(False)
+    x = torch.randn(IN, N).t()  # [N, IN] transposed view, no grad
+    y = lora_linear(x, weight, lora_a, lora_b, SCALE)
+    y.backward(torch.ones_like(y).expand_as(y))  # a stride-0 gradient
+    ref, (_, _, b) = _reference(x, weight, lora_a, lora_b, SCALE)
+    ref.sum().backward()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lora_b.grad.double(), b.grad, rtol=1e-5, atol=1e-5)
+    assert lora_a.grad is None
+
+
+def test_bad_inputs_raise_clear_errors():
+    weight, lora_a, lora_b = _weights()
+    x = torch.randn(N, IN)
+    with pytest.raises(TypeError, match="floating-point"):
+        lora_linear(x.long(), weight, lora_a, lora_b, SCALE)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        lora_linear(x, weight, lora_a, lora_b.t(), SCALE)
+    with pytest.raises(TypeError, match="share a dtype"):
+        lora_linear(x, weight.double(), lora_a, lora_b, SCALE)
+    with pytest.raises(ValueError, match="frozen"):
+        lora_linear(x, weight.requires_grad_(), lora_a, lora_b, SCALE)
+
+
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, True), (True, False, False)])
+def test_opcheck(needs):
+    weight, lora_a, lora_b = _weights()
+    x = torch.randn(2, 5, IN, requires_grad=needs[0])
+    lora_a.requires_grad_(needs[1])
+    lora_b.requires_grad_(needs[2])
+    torch.library.opcheck(torch.ops.sloth.lora_linear.default, (x, weight, lora_a, lora_b, SCALE))
+    grad_y = torch.randn(2, 5, OUT)
+    xa = x.detach().reshape(-1, IN) @ lora_a.detach().t()
+    torch.library.opcheck(
+        torch.ops.sloth.lora_linear_backward.default,
+        (grad_y, x.detach(), xa, weight, lora_a.detach(), lora_b.detach(), SCALE, *needs),
+    )
+
+
+def test_flop_count():
+    weight, lora_a, lora_b = _weights()
+    x = torch.randn(N, IN, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        lora_linear(x, weight, lora_a, lora_b, SCALE).sum().backward()
+    forward = 2 * N * (IN * OUT + IN * R + R * OUT)
+    backward = 2 * N * (OUT * R + OUT * IN + R * IN + R * IN + OUT * R)
+    assert counter.get_total_flops() == forward + backward
+
+
+def test_compile_fullgraph_matches_eager():
+    weight, lora_a, lora_b = _weights()
+    x = torch.randn(3, 7, IN)
+    y_eager = lora_linear(x, weight, lora_a, lora_b, SCALE)
+    y_eager.square().sum().backward()
+    expected = (lora_a.grad.clone(), lora_b.grad.clone())
+    lora_a.grad = lora_b.grad = None
+
+    compiled = torch.compile(lambda t: lora_linear(t, weight, lora_a, lora_b, SCALE), fullgraph=True)
+    # The on-disk compile caches key on a graph that holds only a call to the op, so an entry compiled
+    # before an edit of the op's backward would be reused: compile afresh.
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        y = compiled(x)
+    y.square().sum().backward()
+    torch.testing.assert_close(y, y_eager)
+    torch.testing.assert_close((lora_a.grad, lora_b.grad), expected)
+
+
+class _Block(nn.Module):
+    def __init__(self, bias=False):
+        super().__init__()
+        self.proj = nn.Linear(IN, OUT, bias=bias)
+
+
+def _peft_layer(dtype=torch.float32, bias=False, **config):
+    settings = {"r": R, "lora_alpha": 8, "target_modules": ["proj"], "lora_dropout": 0.0, **config}
+    model = get_peft_model(_Block(bias).to(dtype), LoraConfig(**settings))
+    layer = model.base_model.model.proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()  # PEFT initialises B to zero
+    return layer
+
+
+def test_fused_lora_forward_matches_peft_module():
+    layer = _peft_layer(use_rslora=True)
+    x = torch.randn(2, 9, IN)
+    x_peft, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad_y = torch.randn(2, 9, OUT)
+
+    expected = layer(x_peft)
+    expected.backward(grad_y)
+    expected_grads = [
+        p.grad.clone() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+    ]
+    layer.zero_grad()
+
+    got = fused_lora_forward(layer, x_fused)
+    got.backward(grad_y)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_fused.grad, x_peft.grad, rtol=1e-5, atol=1e-5)
+    for p, g in zip((layer.lora_A["default"].weight, layer.lora_B["default"].weight), expected_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
+    assert layer.base_layer.weight.grad is None
+
+
+def test_fused_lora_forward_bf16_base_with_fp32_adapters():
+    layer = _peft_layer(dtype=torch.bfloat16)  # PEFT keeps the adapters in float32
+    lora_a = layer.lora_A["default"].weight
+    assert layer.base_layer.weight.dtype == torch.bfloat16 and lora_a.dtype == torch.float32
+    x = torch.randn(2, 9, IN, dtype=torch.bfloat16)
+    expected = layer(x)
+    expected.float().square().sum().backward()
+    expected_grad = lora_a.grad.clone()
+    lora_a.grad = None
+    got = fused_lora_forward(layer, x)
+    got.float().square().sum().backward()
+    assert got.dtype == expected.dtype == torch.bfloat16 and lora_a.grad.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    # PEFT runs the adapter product in float32, this op in bf16: compare the whole gradient's error.
+    assert (lora_a.grad - expected_grad).norm() < 1e-2 * expected_grad.norm()
+
+
+def test_fused_lora_forward_under_autocast():
+    layer = _peft_layer()
+    x = torch.randn(2, 9, IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+        got = fused_lora_forward(layer, x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _peft_layer(lora_dropout=0.1),
+        lambda: _peft_layer(bias=True),
+        lambda: _peft_layer(use_dora=True),
+        lambda: _peft_layer(lora_bias=True),
+    ],
+    ids=["dropout", "base-bias", "dora", "lora-bias"],
+)
+def test_fused_lora_forward_falls_back(make):
+    assert fused_lora_forward(make(), torch.randn(3, IN)) is None
+
+
+def test_fused_lora_forward_falls_back_when_disabled_or_merged():
+    layer = _peft_layer()
+    x = torch.randn(3, IN)
+    layer.enable_adapters(False)
+    assert fused_lora_forward(layer, x) is None
+    layer.enable_adapters(True)
+    assert fused_lora_forward(layer, x) is not None
+    layer.merge()
+    assert fused_lora_forward(layer, x) is None
+    assert fused_lora_forward(nn.Linear(IN, OUT), x) is None
+
+
+def test_fused_lora_forward_compiles_without_graph_breaks():
+    layer = _peft_layer()
+    x = torch.randn(2, 9, IN)
+    expected = layer(x)
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        got = torch.compile(lambda t: fused_lora_forward(layer, t), fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,480 @@
+"""CPU tests of the activation offloader: a CPU "device" with a CPU "host" pool stands in for CUDA.
+
+The bookkeeping (pool, prefetch order, plan, measurement) is the code that runs on the GPU; only
+the streams and events are absent here (tests/gpu/test_offload_gpu.py covers them).
+"""
+
+import gc
+import itertools
+import pickle
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _models import add_lora, packed_batch, random_documents  # tests/_models.py
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_sloth.offload import (
+    ActivationOffloader,
+    HostBufferPool,
+    OffloadStatsCallback,
+    apply_checkpointing,
+    find_decoder_layers,
+    plan_layers,
+    plan_peak_bytes,
+)
+
+LAYERS, HIDDEN, BATCH, SEQ = 4, 64, 2, 33
+INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # one fp32 layer input
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        use_cache=False,
+        attn_implementation="eager",
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # random norms, so every layer's gradients depend on its input scale
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.train()
+
+
+def batch(seed: int = 1) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (BATCH, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def step_grads(model, inputs: dict) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_bitwise(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def cpu_offloader(**kwargs) -> ActivationOffloader:
+    kwargs.setdefault("min_offload_bytes", 1)
+    return ActivationOffloader("on", device="cpu", **kwargs)
+
+
+# ------------------------------------------------------------------------------------- planner
+def test_plan_peak_bytes_matches_hand_count():
+    act, inp = [10, 20, 30, 40], [1, 2, 3, 4]
+    # resident [10, 2, 0, 4]: forward end 16; backward of 1: 10 + 20 + 0 = 30;
+    # backward of 2: 12 + 30 + prefetch 0 = 42; backward of 3: 12 + 40 + prefetch 3 = 55.
+    assert plan_peak_bytes(["keep", "recompute", "offload", "recompute"], act, inp) == 55
+    assert plan_peak_bytes(["keep"] * 4, act, inp) == 100
+
+
+def test_plan_layers_spends_the_budget_last_layer_first():
+    act, inp, n = 100, 10, 6
+    leanest = ["offload"] * 5 + ["recompute"]
+    assert plan_layers(n, act, inp, budget_bytes=0) == leanest  # returned even when it does not fit
+    assert plan_layers(n, act, inp, 10**9) == ["keep"] * n
+    # Leanest peak: the last layer's recompute (100) + the prefetched input of layer 4 (10).
+    # Keeping the last layer is free (its recompute would hold the same bytes at the same time)
+    # and so is recomputing layer 4 (its resident input replaces the prefetch buffer).
+    assert plan_peak_bytes(leanest, [act] * n, [inp] * n) == 110
+    assert plan_layers(n, act, inp, 110) == ["offload"] * 4 + ["recompute", "keep"]
+    # 20 more bytes: two more offloads become recomputes.
+    assert plan_layers(n, act, inp, 130) == ["offload"] * 2 + ["recompute"] * 3 + ["keep"]
+    # All recompute peaks at 50 + 100; each further keep adds 90 at the end of the forward.
+    assert plan_layers(n, act, inp, 150) == ["recompute"] * 5 + ["keep"]
+    assert plan_layers(n, act, inp, 240) == ["recompute"] * 4 + ["keep"] * 2
+    # Without an offloader the leanest plan is all recompute.
+    assert plan_layers(n, act, inp, 0, offload=False) == ["recompute"] * n
+    assert plan_layers(n, act, inp, 150, offload=False) == ["recompute"] * 5 + ["keep"]
+
+
+def test_plan_layers_fits_and_beats_random_plans():
+    rng = random.Random(0)
+    modes = ("keep", "recompute", "offload")
+    for _ in range(200):
+        n = rng.randint(1, 6)
+        inp = [rng.randint(1, 50) for _ in range(n)]
+        act = [i + rng.randint(0, 500) for i in inp]
+        budget = rng.randint(0, sum(act) + 100)
+        plan = plan_layers(n, act, inp, budget)
+        leanest = ["offload"] * (n - 1) + ["recompute"]
+        peak = plan_peak_bytes(plan, act, inp)
+        assert peak <= max(budget, plan_peak_bytes(leanest, act, inp))
+        checkpointed = [m for m in plan if m != "keep"]
+        assert not checkpointed or checkpointed[-1] != "offload"
+        if peak <= budget and n <= 4:
+            # No feasible plan keeps more layers and offloads no more of them.
+            for other in itertools.product(modes, repeat=n):
+                if plan_peak_bytes(other, act, inp) <= budget:
+                    more_keep = other.count("keep") > plan.count("keep")
+                    assert not (more_keep and other.count("offload") <= plan.count("offload")), (plan, other)
+
+
+def test_plan_layers_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one layer"):
+        plan_layers(0, 1, 1, 1)
+    with pytest.raises(ValueError, match="act_bytes_per_layer has 2 entries for 3 layers"):
+        plan_layers(3, [1, 2], 1, 10)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_layers(2, 1, [1, -1], 10)
+
+
+# ------------------------------------------------------------------------- gradients, recompute
+def test_gradients_bitwise_equal_with_offload():
+    inputs = batch()
+    plain = step_grads(tiny_llama(), inputs)
+    model = tiny_llama()
+    ckpt = apply_checkpointing(model)
+    assert ckpt.plan == ["recompute"] * LAYERS
+    assert_bitwise(step_grads(model, inputs), plain)
+    for double_buffer in (True, False):
+        model = tiny_llama()
+        offloader = cpu_offloader(double_buffer=double_buffer)
+        ckpt = apply_checkpointing(model, offloader=offloader)
+        assert ckpt.plan == ["offload"] * (LAYERS - 1) + ["recompute"]
+        assert_bitwise(step_grads(model, inputs), plain)
+        stats = offloader.stats()
+        assert stats["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES  # last layer's input kept
+        if double_buffer:  # the last layer's backward prefetches layer L-2, and so on down
+            assert (stats["prefetched"], stats["fetched_on_demand"]) == (LAYERS - 1, 0)
+        else:
+            assert (stats["prefetched"], stats["fetched_on_demand"]) == (0, LAYERS - 1)
+
+
+def test_gradients_bitwise_equal_with_lora():
+    inputs = batch()
+    plain = step_grads(add_lora(tiny_llama()), inputs)
+    assert plain and all("lora" in name for name in plain)
+    model = add_lora(tiny_llama())
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader)
+    assert_bitwise(step_grads(model, inputs), plain)
+    assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+
+
+def test_hooks_around_checkpoint_still_recompute():
+    model = tiny_llama()
+    calls = [0] * LAYERS
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    apply_checkpointing(model, offloader=cpu_offloader(), plan=["offload", "offload", "keep", "recompute"])
+    for step in range(1, 3):
+        step_grads(model, batch(step))
+        assert calls == [2 * step, 2 * step, step, 2 * step]  # forward + recompute; keep: forward only
+
+
+def test_packed_batch_with_packed_attention():
+    attention = pytest.importorskip("lightning_sloth.attention")
+    packed = packed_batch(random_documents([15, 25, 9], seed=3, vocab=97), pad_to=56)
+    inputs = packed.model_inputs() | {"labels": packed.labels}
+
+    def packed_llama():
+        model = tiny_llama()
+        attention.enable_packed_attention(model, backend="sdpa")
+        return model
+
+    plain = step_grads(packed_llama(), inputs)
+    model = packed_llama()
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader)
+    assert_bitwise(step_grads(model, inputs), plain)
+    # Only the hidden states travel; rotary tables and cu_seqlens are keyword arguments of the layer.
+    assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 1) * 56 * HIDDEN * 4
+
+
+def test_gradient_accumulation_two_micro_steps():
+    micro = [batch(1), batch(2)]
+
+    def accumulate(model):
+        model.zero_grad(set_to_none=True)
+        for inputs in micro:
+            (model(**inputs).loss / 2).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = accumulate(tiny_llama())
+    model = tiny_llama()
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader)
+    assert_bitwise(accumulate(model), plain)
+    stats = offloader.stats()
+    assert stats["steps"] == 2
+    assert stats["host_pool_allocations"] == LAYERS - 1  # the second micro-step reused the blocks
+    assert stats["host_pool_in_use_bytes"] == 0
+
+
+def test_compiled_layers_inside_the_checkpoint():
+    torch._dynamo.reset()
+    inputs = batch()
+    model = tiny_llama()
+    apply_checkpointing(model)
+    plain = step_grads(model, inputs)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = tiny_llama()
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader, compile_layers={"backend": backend})
+    for _ in range(2):
+        assert_bitwise(step_grads(model, inputs), plain)
+    assert len(graphs) == 1  # one graph serves every layer, forward and recompute, both steps
+    assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+    torch._dynamo.reset()
+
+
+def test_single_process_ddp():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    inputs = batch()
+    plain = step_grads(tiny_llama(), inputs)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", world_size=1, rank=0)
+    try:
+        model = tiny_llama()
+        apply_checkpointing(model, offloader=cpu_offloader())
+        ddp = DistributedDataParallel(model)
+        ddp(**inputs).loss.backward()
+        assert_bitwise({n: p.grad for n, p in model.named_parameters()}, plain)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ pool, lifetimes
+def test_recompute_reads_the_copy_brought_back_from_the_host():
+    from torch.utils.checkpoint import checkpoint
+
+    offloader = cpu_offloader()
+    weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    seen: list[tuple[int, int]] = []  # (block, data_ptr of its input) at every call
+
+    def block(i, x):
+        seen.append((i, x.data_ptr()))
+        return torch.tanh(x @ weight)
+
+    x = torch.randn(
+        8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True
+    )
+    h, inputs = x * 1.0, []
+    for i in range(3):
+        inputs.append(h)
+        with offloader.saved_tensors_hooks(offload=i < 2):  # block 2: kept, like the last layer
+            h = checkpoint(block, i, h, use_reentrant=False)
+    assert offloader.pool.in_use_bytes == 2 << 20
+    h.sum().backward()
+    forward = dict(seen[:3])
+    recompute = dict(seen[3:])
+    assert sorted(recompute) == [0, 1, 2]
+    assert recompute[2] == forward[2] == inputs[2].data_ptr()  # kept: the original tensor
+    assert recompute[0] != forward[0] and recompute[1] != forward[1]  # offloaded: a fresh copy
+    assert offloader.pool.in_use_bytes == 0 and offloader.stats()["prefetched"] == 2
+
+    reference = x.detach().clone().requires_grad_()
+    r = reference * 1.0
+    for _ in range(3):
+        r = torch.tanh(r @ weight)
+    r.sum().backward()
+    assert torch.equal(x.grad, reference.grad)
+
+
+def test_pool_reuse_allocates_nothing_after_the_first_step():
+    model = tiny_llama()
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader)
+    step_grads(model, batch(1))
+    first = offloader.stats(reset=True)
+    assert first["host_pool_allocations"] == LAYERS - 1
+    assert first["host_pool_in_use_bytes"] == 0
+    for seed in (2, 3):
+        step_grads(model, batch(seed))
+    later = offloader.stats()
+    assert later["host_pool_allocations"] == LAYERS - 1
+    assert later["host_pool_bytes"] == first["host_pool_bytes"]
+    assert later["steps"] == 2 and later["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+
+
+def test_small_tensors_stay_on_the_device():
+    inputs = batch()
+    plain = step_grads(tiny_llama(), inputs)
+    model = tiny_llama()
+    offloader = cpu_offloader(min_offload_bytes=INPUT_BYTES + 1)
+    apply_checkpointing(model, offloader=offloader)
+    assert_bitwise(step_grads(model, inputs), plain)
+    stats = offloader.stats()
+    assert stats["offloaded_bytes_per_step"] == 0 and stats["host_pool_allocations"] == 0
+
+
+def test_pool_cap_keeps_tensors_on_the_device():
+    inputs = batch()
+    plain = step_grads(tiny_llama(), inputs)
+    model = tiny_llama()
+    offloader = cpu_offloader(max_host_bytes=2 << 20)  # two 1 MiB blocks for three inputs
+    apply_checkpointing(model, offloader=offloader)
+    assert_bitwise(step_grads(model, inputs), plain)
+    stats = offloader.stats()
+    assert stats["offloaded_bytes_per_step"] == 2 * INPUT_BYTES
+    assert stats["kept_on_device_bytes_per_step"] == INPUT_BYTES
+    assert stats["host_pool_bytes"] == 2 << 20
+
+
+def test_forward_without_backward_returns_blocks():
+    model = tiny_llama()
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader)
+    loss = model(**batch()).loss
+    assert offloader.pool.in_use_bytes == (LAYERS - 1) << 20
+    del loss
+    gc.collect()
+    assert offloader.pool.in_use_bytes == 0
+    step_grads(model, batch())  # and the next step reuses them
+    assert offloader.pool.allocations == LAYERS - 1
+
+
+def test_second_backward_through_offloaded_graph_raises():
+    model = tiny_llama()
+    apply_checkpointing(model, offloader=cpu_offloader())
+    loss = model(**batch()).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="unpacked twice"):
+        loss.backward()
+
+
+def test_pool_best_fit_and_pinning_fallback():
+    pool = HostBufferPool(max_bytes=None, pin=False)
+    big, small = pool.acquire(3 << 20), pool.acquire(5)
+    assert (big.numel(), small.numel()) == (4 << 20, 1 << 20)  # powers of two, at least 1 MiB
+    pool.release(big)
+    pool.release(small)
+    assert pool.acquire(1000) is small and pool.allocations == 2
+    # No CUDA here, so pinning fails: the pool warns once and goes on with pageable memory.
+    pinned = HostBufferPool(max_bytes=None, pin=True)
+    with pytest.warns(UserWarning, match="pinning .* failed"):
+        block = pinned.acquire(10)
+    assert block is not None and not pinned.pin and not block.is_pinned()
+
+
+# ------------------------------------------------------------------------------- memory budget
+def test_memory_budget_measures_then_plans():
+    model = tiny_llama(attention_dropout=0.5)  # random ops: the measuring pass must not shift RNG
+    inputs = batch()
+    reference = tiny_llama(attention_dropout=0.5)
+    apply_checkpointing(reference)
+    torch.manual_seed(7)
+    want = step_grads(reference, inputs)
+
+    calls = [0]
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    offloader = cpu_offloader()
+    budget = 10**9
+    ckpt = apply_checkpointing(model, offloader=offloader, memory_budget=budget)
+    assert ckpt.plan == ["offload"] * (LAYERS - 1) + ["recompute"]  # until measured
+    torch.manual_seed(7)
+    assert_bitwise(step_grads(model, inputs), want)
+    assert calls[0] == 3  # measure + forward + recompute
+    assert ckpt.input_bytes == [INPUT_BYTES] * LAYERS
+    assert all(a > 5 * INPUT_BYTES for a in ckpt.activation_bytes)
+    assert ckpt.plan == ["keep"] * LAYERS and ckpt.budget_bytes == budget
+    step_grads(model, inputs)
+    assert calls[0] == 4  # kept layers are neither measured again nor recomputed
+
+    act, inp = ckpt.activation_bytes, ckpt.input_bytes
+    tight = plan_peak_bytes(["offload"] * (LAYERS - 1) + ["recompute"], act, inp)
+    lean = ckpt.replan(tight)
+    assert lean[:2] == ["offload", "offload"] and plan_peak_bytes(lean, act, inp) <= tight
+    assert offloader.activation_bytes_hint == max(act)
+    with pytest.warns(UserWarning, match="over the 0-byte budget"):
+        ckpt.replan(0)
+
+
+# ---------------------------------------------------------------------------- API and errors
+def test_policies_and_validation():
+    assert not ActivationOffloader("auto", device="cpu").enabled  # auto is off on CPU
+    assert not ActivationOffloader("off", device="cpu").enabled
+    with pytest.raises(ValueError, match="offload policy must be one of"):
+        ActivationOffloader("always", device="cpu")
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="plan has 2 entries for 4 decoder layers"):
+        apply_checkpointing(model, plan=["keep", "keep"])
+    with pytest.raises(ValueError, match="no enabled ActivationOffloader"):
+        apply_checkpointing(
+            model, offloader=ActivationOffloader("off", device="cpu"), plan=["offload"] + ["keep"] * 3
+        )
+    with pytest.raises(ValueError, match="last layer's input"):
+        apply_checkpointing(model, offloader=cpu_offloader(), plan=["recompute"] * 3 + ["offload"])
+    with pytest.raises(ValueError, match="unknown layer modes"):
+        apply_checkpointing(model, plan=["keep"] * 3 + ["swap"])
+    with pytest.raises(ValueError, match="a plan or a memory_budget"):
+        apply_checkpointing(model, plan=["keep"] * 4, memory_budget=1)
+
+
+def test_find_decoder_layers_plain_peft_and_errors():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama()
+    assert find_decoder_layers(model) is model.model.layers
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert find_decoder_layers(wrapped) is model.model.layers
+    with pytest.raises(TypeError, match="no nn.ModuleList of transformers GradientCheckpointingLayer"):
+        find_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    ckpt = apply_checkpointing(model)
+    ckpt.remove()
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_stats_callback_logs_every_n_steps():
+    model = tiny_llama()
+    offloader = cpu_offloader()
+    apply_checkpointing(model, offloader=offloader)
+    step_grads(model, batch())
+    logged = []
+    module = SimpleNamespace(log_dict=lambda values, **kwargs: logged.append(values))
+    callback = OffloadStatsCallback()
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(offloader=offloader), global_step=3, log_every_n_steps=2
+    )
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert logged == []
+    trainer.global_step = 4
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert logged[0]["offload/offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+    assert offloader.stats()["steps"] == 0  # the callback reset the window
+    callback.on_train_batch_end(trainer, module, None, None, 1)  # next micro-batch, same step
+    assert len(logged) == 1
+
+
+def test_offloader_pickles_to_a_fresh_copy():
+    model = tiny_llama()
+    offloader = cpu_offloader(double_buffer=False, max_host_bytes=64 << 20)
+    apply_checkpointing(model, offloader=offloader)
+    step_grads(model, batch())
+    copy = pickle.loads(pickle.dumps(offloader))  # what a spawned DDP worker receives
+    assert (copy.policy, copy.device_type, copy.double_buffer, copy.min_offload_bytes) == (
+        "on",
+        "cpu",
+        False,
+        1,
+    )
+    assert copy.pool.max_bytes == 64 << 20 and copy.pool.allocations == 0 and copy.stats()["steps"] == 0
