@@ -54,6 +54,8 @@ def _cross_entropy_rows_kernel(
     row_logits = LOGITS + row * stride_row
     target = tl.load(TARGETS + row)
     valid = target != ignore_index
+    # Inductor passes Python float arguments as fp64; keep the loop-carried values in fp32.
+    cap = tl.cast(softcap, tl.float32)
 
     running_max = float("-inf")
     running_sum = 0.0
@@ -63,7 +65,7 @@ def _cross_entropy_rows_kernel(
         mask = cols < n_cols
         z = tl.load(row_logits + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+            z = cap * _tanh(z / cap)
         z = tl.where(mask, z, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
@@ -78,8 +80,8 @@ def _cross_entropy_rows_kernel(
             mask = cols < n_cols
             z = tl.load(row_logits + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                t = _tanh(z / softcap)
-                z = softcap * t
+                t = _tanh(z / cap)
+                z = cap * t
             grad = tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)
             if HAS_SOFTCAP:
                 grad = grad * (1.0 - t * t)

@@ -6,10 +6,15 @@ LoRA and the same token budget per optimizer step; warm-up (compilation included
 
     python -m lightning_sloth.bench --shape llama_3_2_1b --systems hf_padded,sloth --out results.json
 
-Systems:
-    hf_padded   transformers + PEFT, SDPA attention, padded batches, gradient checkpointing.
-    sloth       the same model through lightning_sloth: packed batches, packed attention,
-                gradient checkpointing (what ``SlothStrategy`` applies).
+Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
+    hf_padded              transformers + PEFT, SDPA, padded micro-batches of 8 samples
+                           accumulated to the step's token budget (the baseline).
+    hf_packed_sdpa         transformers + PEFT on our packed rows with its own SDPA (packing alone,
+                           transformers detects the documents from position_ids).
+    sloth                  packed rows + packed attention (``SlothStrategy()``).
+    sloth_kernels          + Triton kernels (``SlothStrategy(kernels=True)``).
+    sloth_kernels_compile  + regional compile.
+    sloth_kernels_offload  + activation offload (``offload="on"``).
 
 MFU counts model FLOPs as ``6 · N · tokens + 6 · layers · heads · head_dim · Σ len²`` (``N``: all
 parameters but the input embedding; the second term is causal attention), real tokens only,
@@ -73,6 +78,7 @@ class Workload:
     max_len: int = 2048
     prompt_fraction: float = 0.25
     lora_r: int = 16
+    micro_batch_size: int = 8
     warmup_steps: int = 3
     timed_steps: int = 20
     seed: int = 0
@@ -121,24 +127,33 @@ def padded_batch(samples, pad_id: int) -> dict:
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
-def _hf_padded_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[dict, int, int]]:
+def _targets(samples) -> int:
+    return sum(sum(1 for t in lab[1:] if t != -100) for _, lab in samples)
+
+
+def _hf_padded_batches(
+    workload: Workload, samples, pad_id: int
+) -> Iterator[tuple[list[dict], int, int, int]]:
+    """Steps of consecutive samples, as padded micro-batches of ``micro_batch_size`` rows."""
     for idx in group_consecutive([len(s[0]) for s in samples], workload.tokens_per_step):
         group = [samples[i] for i in idx]
-        yield padded_batch(group, pad_id), sum(len(s[0]) for s in group), sum(len(s[0]) ** 2 for s in group)
+        size = workload.micro_batch_size
+        micro = [padded_batch(group[i : i + size], pad_id) for i in range(0, len(group), size)]
+        yield micro, sum(len(s[0]) for s in group), sum(len(s[0]) ** 2 for s in group), _targets(group)
 
 
-def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[dict, int, int]]:
+def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[list[dict], int, int, int]]:
+    """Steps of best-fit-decreasing bins, one packed row each."""
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
 
     collate = PackedCollator(max_tokens=workload.tokens_per_step, pad_token_id=pad_id)
     for idx in pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step):
-        group = [samples[i] for i in idx]
-        batch = collate(group)
+        batch = collate([samples[i] for i in idx])
         inputs = batch.model_inputs() | {"labels": batch.labels}
-        yield inputs, batch.num_tokens, sum(len(s[0]) ** 2 for s in group)
+        yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
 
 
-def build_model(workload: Workload, attn: str):
+def build_model(workload: Workload, attn: str, checkpointing: bool = True):
     """A random-weight Llama of the workload's shape in bf16, with PEFT LoRA on all projections."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -154,21 +169,31 @@ def build_model(workload: Workload, attn: str):
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def _setup_sloth(workload: Workload):
-    from lightning_sloth.attention import enable_packed_attention
+def _sloth(**settings) -> Callable:
+    """A system that builds the model and applies what ``SlothStrategy(**settings)`` applies."""
 
-    model = build_model(workload, "sdpa")
-    enable_packed_attention(model)
-    return model
+    def setup(workload: Workload):
+        from lightning_sloth.plugins.strategy import transform_model
+
+        model = build_model(workload, "sdpa", checkpointing=False)
+        transform_model(model, **settings)
+        return model
+
+    return setup
 
 
 SYSTEMS: dict[str, tuple[Callable, Callable]] = {
     "hf_padded": (lambda w: build_model(w, "sdpa"), _hf_padded_batches),
-    "sloth": (_setup_sloth, _packed_batches),
+    "hf_packed_sdpa": (lambda w: build_model(w, "sdpa"), _packed_batches),
+    "sloth": (_sloth(), _packed_batches),
+    "sloth_kernels": (_sloth(kernels=True), _packed_batches),
+    "sloth_kernels_compile": (_sloth(kernels=True, compile=True), _packed_batches),
+    "sloth_kernels_offload": (_sloth(kernels=True, offload="on"), _packed_batches),
 }
 
 
@@ -190,15 +215,19 @@ def run_system(name: str, workload: Workload, samples, peak_flops: float) -> dic
     times, tokens, flops, losses = [], [], [], []
     grad_norm = float("nan")
     steps = workload.warmup_steps + workload.timed_steps
-    for step, (inputs, real_tokens, sum_sq) in enumerate(batches(workload, samples, cfg.pad_token_id or 0)):
+    for step, (micro_batches, real_tokens, sum_sq, targets) in enumerate(batches(workload, samples, 0)):
         if step == steps:
             break
-        inputs = _to_cuda(inputs)
+        micro_batches = [_to_cuda(m) for m in micro_batches]
+        num_items = torch.tensor(targets, device="cuda")
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**inputs).loss
-        loss.backward()
+        loss = 0.0
+        for inputs in micro_batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                micro_loss = model(**inputs, num_items_in_batch=num_items).loss
+            micro_loss.backward()
+            loss += micro_loss.detach()
         if step == steps - 1:
             grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
             grad_norm = float(torch.stack(grads).norm())

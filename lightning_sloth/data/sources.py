@@ -70,7 +70,19 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"add: {a}+{b}\n", str(a + b)
 
 
+def _next(rng: random.Random) -> tuple[str, str]:
+    letters = _word(rng, 1, 4)
+    return f"next: {letters}\n", "".join(chr(ord(c) + 1) if c != "z" else "a" for c in letters)
+
+
+def _last(rng: random.Random) -> tuple[str, str]:
+    word = _word(rng, 3, 16)
+    return f"last: {word}\n", word[-1]
+
+
 SYNTHETIC_TASKS = {
+    "next": _next,
+    "last": _last,
     "reverse": _reverse,
     "upper": _upper,
     "sort": _sort,
@@ -88,6 +100,7 @@ class SyntheticTask(Sequence[Record]):
 
         reverse: hello\\n  -> olleh        upper: ab cd\\n -> AB CD       sort: dcba\\n -> abcd
         copy: xyz\\n       -> xyz          repeat 3: ab\\n -> ababab      add: 12+345\\n -> 357
+        next: abz\\n       -> bca          last: hello\\n -> o
 
     Prompts are 9 to 34 characters, responses 1 to 26. Record ``i`` depends only on
     ``(seed, i)``, so the task is deterministic and random access is cheap.

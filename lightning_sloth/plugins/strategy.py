@@ -1,10 +1,13 @@
 """``SlothStrategy``: transforms the model once at ``setup``, then lets Lightning place and wrap it.
 
 At ``setup(trainer)`` — after ``configure_model``, before DDP wrapping — the strategy finds the
-transformers model inside the LightningModule and applies, in place:
+transformers model inside the LightningModule and applies, in place (:func:`transform_model`):
 
-1. packed attention ("sloth" in transformers' ``AttentionInterface``) and ``use_cache=False``;
-2. per-layer non-reentrant activation checkpointing.
+1. Triton kernels as torch.library ops, per model family (``lightning_sloth.patching``);
+2. packed attention ("sloth" in transformers' ``AttentionInterface``) and ``use_cache=False``;
+3. per-layer non-reentrant activation checkpointing, with the activation offloader's hooks
+   around each checkpoint and an optional per-layer memory plan (``lightning_sloth.offload``);
+4. regional ``torch.compile`` of each decoder layer.
 
 Placement, precision conversion and DDP wrapping are Lightning's own: ``SlothStrategy`` extends
 ``SingleDeviceStrategy`` and ``SlothDDPStrategy`` extends ``DDPStrategy``.
@@ -13,6 +16,8 @@ Placement, precision conversion and DDP wrapping are Lightning's own: ``SlothStr
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,26 +40,103 @@ def find_hf_model(module: nn.Module) -> nn.Module:
     )
 
 
+@dataclass
+class SlothReport:
+    """What :func:`transform_model` applied (logged once by the strategy)."""
+
+    applied: list[str] = field(default_factory=list)
+    kernels: Any = None
+    checkpointing: Any = None
+    offloader: Any = None
+
+
+def transform_model(
+    model: nn.Module,
+    *,
+    packed_attention: bool = True,
+    gradient_checkpointing: bool = True,
+    kernels: Any = None,
+    offload: str = "off",
+    memory_budget: int | str | None = None,
+    compile: bool | dict = False,
+) -> SlothReport:
+    """Apply lightning_sloth's transformations to a transformers model, in place.
+
+    Order: kernels (replace module forwards) -> packed attention -> checkpointing with the
+    offloader's hooks around it -> regional compile of each decoder layer (inside the checkpoint
+    when checkpointing, so the checkpoint and hooks stay eager).
+
+    Args:
+        model: a module holding a transformers ``PreTrainedModel`` (plain, PEFT-wrapped, or inside
+            a LightningModule); LoRA layers injected by PEFT live inside it and are patched too.
+        packed_attention: register and select the "sloth" packed attention.
+        gradient_checkpointing: non-reentrant checkpointing of every decoder layer.
+        kernels: ``KernelSettings``, a dict of its fields, ``True`` (all kernels) or
+            ``None``/``False`` (none).
+        offload: ``"off"``, ``"on"`` or ``"auto"``: checkpointed layer inputs to pinned host memory.
+        memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
+        compile: ``torch.compile`` each decoder layer (``True`` or compile kwargs).
+    """
+    report = SlothReport()
+    hf_model = find_hf_model(model)
+    hf_model.config.use_cache = False
+    if kernels:
+        from lightning_sloth.patching import KernelSettings, apply_kernels
+
+        if kernels is True:
+            kernels = KernelSettings()
+        elif isinstance(kernels, Mapping):
+            kernels = KernelSettings(**kernels)
+        report.kernels = apply_kernels(hf_model, kernels)
+        report.applied.append("kernels")
+    if packed_attention:
+        from lightning_sloth.attention import enable_packed_attention
+
+        enable_packed_attention(hf_model)
+        report.applied.append("packed attention")
+    compile_kwargs = (compile if isinstance(compile, Mapping) else {}) if compile else None
+    if offload not in ("off", "on", "auto"):
+        raise ValueError(f"offload must be 'off', 'on' or 'auto', got {offload!r}")
+    if offload != "off" and not gradient_checkpointing:
+        raise ValueError(
+            "offload needs gradient_checkpointing=True (it offloads the checkpointed layer inputs)"
+        )
+    if gradient_checkpointing:
+        from lightning_sloth.offload import ActivationOffloader, apply_checkpointing
+
+        if offload != "off":
+            report.offloader = ActivationOffloader(offload)
+            if report.offloader.enabled:
+                report.applied.append(f"activation offload ({offload})")
+        report.checkpointing = apply_checkpointing(
+            hf_model,
+            offloader=report.offloader,
+            memory_budget=memory_budget,
+            compile_layers=compile_kwargs if compile_kwargs is not None else False,
+        )
+        report.applied.append("activation checkpointing" + (" + memory plan" if memory_budget else ""))
+    elif compile_kwargs is not None:
+        from lightning_sloth.patching import compile_blocks
+
+        compile_blocks(hf_model, **compile_kwargs)
+    if compile_kwargs is not None:
+        report.applied.append("regional compile")
+    return report
+
+
 class _SlothSetup:
     """The model transformation shared by the single-device and DDP strategies."""
 
-    def _init_sloth(self, packed_attention: bool, gradient_checkpointing: bool) -> None:
-        self.packed_attention = packed_attention
-        self.gradient_checkpointing = gradient_checkpointing
+    def _init_sloth(self, **settings: Any) -> None:
+        self.sloth_settings = settings
+        self.offloader = None
+        self.sloth_report: SlothReport | None = None
 
     def _apply_sloth(self) -> None:
-        model = find_hf_model(self.lightning_module)
-        applied = []
-        model.config.use_cache = False
-        if self.packed_attention:
-            from lightning_sloth.attention import enable_packed_attention
-
-            enable_packed_attention(model)
-            applied.append("packed attention")
-        if self.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            applied.append("activation checkpointing")
-        log.info("SlothStrategy applied to %s: %s", type(model).__name__, ", ".join(applied) or "nothing")
+        report = transform_model(self.lightning_module, **self.sloth_settings)
+        self.sloth_report = report
+        self.offloader = report.offloader
+        log.info("SlothStrategy applied: %s", ", ".join(report.applied) or "nothing")
 
 
 class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
@@ -66,7 +148,13 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         packed_attention: use the packed "sloth" attention (needs ``PackedBatch`` inputs or
             unpadded rows).
         gradient_checkpointing: non-reentrant activation checkpointing of every decoder layer.
+        kernels: Triton kernels as torch.library ops (``KernelSettings``, dict, ``True``/``None``).
+        offload: ``"off"``/``"on"``/``"auto"``: offload checkpointed layer inputs to host memory.
+        memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
+        compile: regional ``torch.compile`` of each decoder layer (``True`` or compile kwargs).
         device: the device; by default the one the Trainer's accelerator picks.
+
+    See :func:`transform_model` for the order the transformations are applied in.
     """
 
     strategy_name = "sloth"
@@ -75,12 +163,23 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         self,
         packed_attention: bool = True,
         gradient_checkpointing: bool = True,
+        kernels: Any = None,
+        offload: str = "off",
+        memory_budget: int | str | None = None,
+        compile: bool | dict = False,
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(device=device or "cpu", **kwargs)
         self._device_given = device is not None
-        self._init_sloth(packed_attention, gradient_checkpointing)
+        self._init_sloth(
+            packed_attention=packed_attention,
+            gradient_checkpointing=gradient_checkpointing,
+            kernels=kernels,
+            offload=offload,
+            memory_budget=memory_budget,
+            compile=compile,
+        )
 
     def setup_environment(self) -> None:
         if not self._device_given:
