@@ -1,0 +1,28 @@
+"""Model patching: the ``sloth::`` ops in transformers models, per family, and regional compile.
+
+Typical use (``SlothStrategy(kernels=..., compile=...)`` does this at ``setup``)::
+
+    report = apply_kernels(model, KernelSettings(cross_entropy=False))  # in place, per instance
+    print(report.counts)   # {'rms_norm': 5, 'rope': 2, 'glu': 2, 'cross_entropy': 0, 'lora': 14}
+    compile_blocks(model, fullgraph=True)                               # each decoder layer
+
+Which module class gets which op is one table, :data:`FAMILIES` (``families.py``); the replacement
+forwards, one per op, are in ``_forwards.py``.
+"""
+
+from lightning_sloth.patching._apply import OPS, KernelSettings, PatchReport, apply_kernels, unpatch
+from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
+from lightning_sloth.patching.families import FAMILIES, Family, NormStyle
+
+__all__ = [
+    "FAMILIES",
+    "OPS",
+    "Family",
+    "KernelSettings",
+    "NormStyle",
+    "PatchReport",
+    "apply_kernels",
+    "compile_blocks",
+    "decoder_blocks",
+    "unpatch",
+]

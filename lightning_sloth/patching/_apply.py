@@ -1,0 +1,268 @@
+"""``apply_kernels``: put the ``sloth::`` ops into a transformers model, per the family table."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
+
+from peft.tuners.lora import Linear as LoraLinear
+from torch import nn
+from transformers import PreTrainedModel
+
+from lightning_sloth.patching import _forwards
+from lightning_sloth.patching.families import FAMILIES, Family
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OPS", "KernelSettings", "PatchReport", "apply_kernels", "unpatch"]
+
+OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora")
+"""The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Which ops :func:`apply_kernels` installs; switch one off to measure what it buys.
+
+    Attributes:
+        rms_norm: RMSNorm modules (Qwen3/Gemma 3 per-head q/k norms included) -> ``sloth::rms_norm``.
+        rope: rotary embedding inside the attention modules -> ``sloth::rope``.
+        glu: gated MLPs -> ``sloth::swiglu`` / ``sloth::geglu``.
+        cross_entropy: the causal LM's loss -> ``sloth::linear_cross_entropy`` (no logits).
+        lora: PEFT ``lora.Linear`` layers -> ``sloth::lora_linear``.
+    """
+
+    rms_norm: bool = True
+    rope: bool = True
+    glu: bool = True
+    cross_entropy: bool = True
+    lora: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"KernelSettings.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def coerce(cls, value: Any) -> KernelSettings:
+        """Settings from the forms a config may hold.
+
+        Args:
+            value: a ``KernelSettings``; ``True``/``False``/``None`` (all ops / none); a mapping of
+                field names to bools (missing fields stay on); or an iterable of op names to switch on
+                (the others off).
+
+        Raises:
+            ValueError: on an unknown op name.
+            TypeError: on any other type.
+        """
+        if isinstance(value, KernelSettings):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls(**dict.fromkeys(OPS, bool(value)))
+        if isinstance(value, Mapping):
+            _check_names(value.keys())
+            return cls(**value)
+        if isinstance(value, Iterable) and not isinstance(value, str):
+            names = list(value)
+            _check_names(names)
+            return cls(**{op: op in names for op in OPS})
+        raise TypeError(
+            f"kernel settings must be a KernelSettings, bool, mapping or list of op names, got {value!r}"
+        )
+
+    def enabled(self) -> tuple[str, ...]:
+        """The ops switched on, in :data:`OPS` order."""
+        return tuple(op for op in OPS if getattr(self, op))
+
+
+def _check_names(names: Iterable[Any]) -> None:
+    unknown = sorted(str(n) for n in names if n not in OPS)
+    if unknown:
+        raise ValueError(f"unknown kernel op(s) {unknown}; choose from {list(OPS)}")
+
+
+@dataclass
+class PatchReport:
+    """What :func:`apply_kernels` left installed, per op.
+
+    Attributes:
+        model_type: ``config.model_type`` of the model (None if it has no config).
+        supported: Whether the family table has a row for it.
+        modules: op -> qualified names (relative to the transformers model) of the modules running it.
+        skipped: op -> why it is not installed where the family would take it.
+    """
+
+    model_type: str | None
+    supported: bool
+    modules: dict[str, list[str]] = field(default_factory=lambda: {op: [] for op in OPS})
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """op -> number of modules running it."""
+        return {op: len(names) for op, names in self.modules.items()}
+
+    def __str__(self) -> str:
+        patched = ", ".join(f"{op} x{n}" for op, n in self.counts.items() if n) or "nothing"
+        text = f"{self.model_type}: {patched}"
+        if self.skipped:
+            text += "; not patched: " + "; ".join(f"{op} ({why})" for op, why in self.skipped.items())
+        return text
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model itself: under a PEFT wrapper or inside e.g. a LightningModule."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        return get_base_model()
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+
+
+class _Row(NamedTuple):
+    """One op of the plan: the classes it applies to and the forward a matching module gets."""
+
+    op: str
+    classes: tuple[type, ...]
+    forward_for: Callable[[nn.Module], Callable | None]
+    unavailable: str = ""  # why forward_for may return None
+
+
+def _every(forward: Callable) -> Callable[[nn.Module], Callable]:
+    """``forward_for`` giving every matching module the same forward."""
+    return lambda _module: forward
+
+
+def _family_rows(
+    family: Family, config: Any, settings: KernelSettings, skipped: dict[str, str]
+) -> list[_Row]:
+    rows = []
+    if settings.rms_norm:
+        rows.append(
+            _Row(
+                "rms_norm",
+                family.classes(family.norms),
+                _every(_forwards.rms_norm_forward(family.norm_style)),
+            )
+        )
+    if settings.glu and family.mlps:
+        activation = getattr(config, family.activation_attr, None)
+        glu_forward = _forwards.GLU_FORWARDS.get(activation)
+        if glu_forward is None:
+            skipped["glu"] = (
+                f"config.{family.activation_attr}={activation!r}; the fused ops compute "
+                f"{sorted(_forwards.GLU_FORWARDS)}"
+            )
+        else:
+            rows.append(_Row("glu", family.classes(family.mlps), _every(glu_forward)))
+    if settings.rope:
+        rows.append(
+            _Row(
+                "rope",
+                family.classes(family.attentions),
+                lambda module: _forwards.rope_attention_forward(type(module), family.rope_layout),
+                "the attention forward does not call apply_rotary_pos_emb by name",
+            )
+        )
+    if settings.cross_entropy:
+        rows.append(
+            _Row(
+                "cross_entropy",
+                family.classes(family.causal_lms),
+                _every(_forwards.causal_lm_forward(family)),
+            )
+        )
+    return rows
+
+
+def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> PatchReport:
+    """Install the ``sloth::`` ops in a transformers causal LM, in place, per instance.
+
+    The family comes from ``config.model_type`` (:data:`~lightning_sloth.patching.FAMILIES`). Each
+    matching module gets its own forward (see :mod:`lightning_sloth.patching._forwards`); classes,
+    modeling modules and other models in the process are untouched, and state-dict keys do not change.
+    The call is declarative and idempotent: afterwards exactly the ops ``settings`` switches on are
+    installed (an op switched off is removed if an earlier call installed it). An architecture
+    without a table row runs unpatched apart from LoRA (which does not depend on the family), with
+    one warning.
+
+    Call it before ``compile_blocks`` and before wrapping the model (DDP/FSDP). With the fused loss a
+    forward given ``labels`` returns ``logits=None``.
+
+    Args:
+        model: a transformers ``PreTrainedModel``, a PEFT model around one, or a module holding one
+            (e.g. a LightningModule): the outermost ``PreTrainedModel`` inside is patched.
+        settings: :class:`KernelSettings` or anything :meth:`KernelSettings.coerce` takes; ``None``
+            means all ops.
+
+    Returns:
+        The :class:`PatchReport` (also logged at INFO).
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module`` or ``settings`` has an unusable type.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"apply_kernels takes an nn.Module (transformers or PEFT model), got {type(model).__name__}"
+        )
+    settings = KernelSettings() if settings is None else KernelSettings.coerce(settings)
+    base = _base_model(model)
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    report = PatchReport(model_type=model_type, supported=family is not None)
+
+    rows = []
+    if family is None:
+        warnings.warn(
+            f"lightning_sloth has no kernel table for model_type {model_type!r} "
+            f"({type(base).__name__}); it trains with transformers' own modules (LoRA fusion still "
+            f"applies). Supported: {sorted(FAMILIES)}",
+            UserWarning,
+            stacklevel=2,
+        )
+        report.skipped["family"] = f"no table row for {model_type!r}"
+    else:
+        rows = _family_rows(family, config, settings, report.skipped)
+    if settings.lora:
+        rows.append(_Row("lora", (LoraLinear,), _every(_forwards.lora_forward)))
+    report.skipped.update((op, "switched off") for op in OPS if not getattr(settings, op))
+
+    foreign, lora_fallbacks = 0, []
+    for name, module in base.named_modules():
+        row = next((row for row in rows if isinstance(module, row.classes)), None)
+        forward = row.forward_for(module) if row is not None else None
+        if forward is None:
+            _forwards.restore(module)
+            if row is not None:
+                report.skipped[row.op] = f"{type(module).__name__}: {row.unavailable}"
+        elif _forwards.has_foreign_forward(module):
+            foreign += 1
+        else:
+            _forwards.install(module, forward)
+            # Installed either way (the state may change, e.g. on unmerge); reported as it is now.
+            if row.op == "lora" and not _forwards.lora_fuses_now(module):
+                lora_fallbacks.append(name)
+            else:
+                report.modules[row.op].append(name)
+    if lora_fallbacks:
+        report.skipped["lora"] = (
+            f"{len(lora_fallbacks)} lora.Linear layer(s) outside the fused op's plain case (dropout, "
+            f"DoRA, base bias, quantized base, ...) run PEFT's forward, e.g. {lora_fallbacks[0]}"
+        )
+    if foreign:
+        report.skipped["foreign"] = f"{foreign} module(s) already had another library's instance forward"
+    log.info("lightning_sloth kernels: %s", report)
+    return report
+
+
+def unpatch(model: nn.Module) -> int:
+    """Give every module patched by :func:`apply_kernels` its class's forward back.
+
+    Returns:
+        How many modules were restored.
+    """
+    return sum(_forwards.restore(module) for module in model.modules())

@@ -1,0 +1,281 @@
+"""The replacement forwards, one per op, shared by every family of the table.
+
+Each is installed on one module instance (:func:`install`: ``module.forward = MethodType(fn,
+module)``), shadowing its class's forward for that module only. Other models of the same class in
+the process keep the stock forward, state-dict keys do not change, ``copy.deepcopy`` rebinds the
+method to the copy, and :func:`restore` (``del module.forward``) undoes it. A forward built for a
+family or style comes from a cached factory, so patching twice installs the same function object.
+
+Rotary embedding needs one trick: transformers' attention forwards call the *module-level*
+``apply_rotary_pos_emb`` of their modeling file. Rebinding that global would change every model of
+the family in the process; instead :func:`rope_attention_forward` rebuilds the attention class's own
+forward (same code object) over a copy of its module namespace in which that one name is the
+``sloth::rope`` op, and installs the rebuilt function on the patched instances only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from peft.tuners.lora import Linear as LoraLinear
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+from lightning_sloth.ops.glu import geglu, swiglu
+from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
+from lightning_sloth.ops.lora import fused_lora_forward
+from lightning_sloth.ops.rms_norm import rms_norm
+from lightning_sloth.ops.rope import apply_rope
+from lightning_sloth.patching.families import Family, NormStyle, RopeLayout
+
+log = logging.getLogger(__name__)
+
+_OP_ATTR = "_sloth_op"
+"""Attribute naming the op on every forward this module installs."""
+
+
+def _op_forward(op: str) -> Callable[[Callable], Callable]:
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _OP_ATTR, op)
+        return fn
+
+    return mark
+
+
+def patched_op(module: nn.Module) -> str | None:
+    """The op whose forward is installed on ``module``, or None when it runs its class's forward."""
+    forward = module.__dict__.get("forward")
+    return getattr(getattr(forward, "__func__", None), _OP_ATTR, None)
+
+
+def has_foreign_forward(module: nn.Module) -> bool:
+    """Whether another library gave ``module`` an instance forward (e.g. accelerate's device hooks)."""
+    return "forward" in module.__dict__ and patched_op(module) is None
+
+
+def install(module: nn.Module, forward: Callable) -> None:
+    """Make ``forward`` (an op-marked function taking the module first) the forward of ``module``."""
+    current = module.__dict__.get("forward")
+    if getattr(current, "__func__", None) is not forward:
+        module.forward = types.MethodType(forward, module)
+
+
+def restore(module: nn.Module) -> bool:
+    """Give ``module`` back its class's forward if one of ours is installed; True if it was."""
+    if patched_op(module) is None:
+        return False
+    del module.forward
+    return True
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
+
+
+# ----------------------------------------------------------------------------------------- RMSNorm
+@functools.cache
+def rms_norm_forward(style: NormStyle) -> Callable:
+    """RMSNorm forward for one :class:`NormStyle`."""
+    eps_attr, offset = style.eps_attr, style.offset
+    # The op takes the weight product in fp32 (one rounding) exactly when offset != 0.
+    if style.fp32_product and offset == 0.0:
+        # GPT-OSS rounds once without an offset: run it as ``(1 + (w - 1)) * x_hat``. For bf16/fp16
+        # weights ``w - 1`` and the sum are exact in fp32; for fp32 weights within an ulp of 1.
+
+        @_op_forward("rms_norm")
+        def shifted(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+            weight = self.weight.to(torch.float32) - 1.0
+            return rms_norm(hidden_states, weight, getattr(self, eps_attr), 1.0)
+
+        return shifted
+    if not style.fp32_product and offset != 0.0:
+        raise ValueError(f"rms_norm has no rounding order for {style}: an offset implies an fp32 product")
+
+    @_op_forward("rms_norm")
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset)
+
+    return forward
+
+
+# -------------------------------------------------------------------------------------- gated MLP
+@_op_forward("glu")
+def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused activation."""
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@_op_forward("glu")
+def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` with the fused activation."""
+    return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+GLU_FORWARDS: dict[str, Callable] = {
+    "silu": swiglu_mlp_forward,
+    "swish": swiglu_mlp_forward,
+    "gelu_pytorch_tanh": geglu_mlp_forward,
+}
+"""``config.hidden_act`` values whose ``ACT2FN`` activation the fused ops compute exactly."""
+
+
+# ------------------------------------------------------------------------------------------- RoPE
+def _rope_function(layout: RopeLayout, original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+        if unsqueeze_dim != 1 or len(args) + len(kwargs) > 1:
+            return original(q, k, cos, sin, *args, **kwargs)
+        if layout == "half_table":
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return apply_rope(q, k, cos, sin)
+
+    return apply_rotary_pos_emb
+
+
+_ROPE_FORWARDS: dict[tuple[type, str], Callable | None] = {}
+
+
+def rope_attention_forward(cls: type[nn.Module], layout: RopeLayout) -> Callable | None:
+    """``cls.forward`` rebuilt so that its ``apply_rotary_pos_emb`` is ``sloth::rope``.
+
+    Returns None when the forward is not a plain function that calls ``apply_rotary_pos_emb`` by its
+    global name (then there is nothing this patch can safely replace).
+    """
+    key = (cls, layout)
+    if key not in _ROPE_FORWARDS:
+        _ROPE_FORWARDS[key] = _rebuild_with_rope(cls.forward, layout)
+    return _ROPE_FORWARDS[key]
+
+
+def _rebuild_with_rope(forward: Any, layout: RopeLayout) -> Callable | None:
+    code = getattr(forward, "__code__", None)
+    if (
+        not isinstance(forward, types.FunctionType)
+        or hasattr(forward, "__wrapped__")
+        or "apply_rotary_pos_emb" not in code.co_names
+        or "apply_rotary_pos_emb" not in forward.__globals__
+    ):
+        return None
+    namespace = dict(forward.__globals__)
+    namespace["apply_rotary_pos_emb"] = _rope_function(layout, namespace["apply_rotary_pos_emb"])
+    # Without __name__, Dynamo guards on this dict itself; with it, Dynamo would re-import the
+    # modeling module by name and guard on the stock apply_rotary_pos_emb instead.
+    del namespace["__name__"]
+    rebuilt = types.FunctionType(code, namespace, forward.__name__, forward.__defaults__, forward.__closure__)
+    rebuilt.__kwdefaults__ = forward.__kwdefaults__
+    functools.update_wrapper(rebuilt, forward, updated=())
+    del rebuilt.__wrapped__  # introspection should see the rebuilt function, not the class's
+    return _op_forward("rope")(rebuilt)
+
+
+# ------------------------------------------------------------------------------------------- loss
+def _fusable(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why the fused loss cannot replace this call's forward, or None if it can."""
+    if args:
+        return "positional arguments after input_ids"
+    logits_to_keep = kwargs.get("logits_to_keep", 0)
+    if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+        return "logits_to_keep is set"
+    if not isinstance(model.lm_head, nn.Linear):
+        return f"lm_head is a {type(model.lm_head).__name__}, not an nn.Linear"
+    if model.loss_function is not ForCausalLMLoss:
+        return "the model has a custom loss_function"
+    return None
+
+
+@functools.cache
+def causal_lm_forward(family: Family) -> Callable:
+    """CausalLM forward that computes the loss with ``linear_cross_entropy`` when labels are given.
+
+    With labels the decoder runs as in transformers' forward, then the loss is taken from the final
+    hidden states and the lm-head weight without building the ``[B, T, V]`` logits; the output's
+    ``logits`` is None. ``num_items_in_batch``, ``ignore_index``, ``shift_labels``, Gemma's
+    ``final_logit_softcapping`` and the MoE router loss keep their transformers meaning. Without
+    labels, or in a case it does not handle, the class's forward runs.
+    """
+    load_balancing_loss = family.modeling().load_balancing_loss_func if family.moe else None
+
+    @_op_forward("cross_entropy")
+    def forward(self: nn.Module, input_ids=None, *args, labels=None, **kwargs):
+        if labels is None or (reason := _fusable(self, args, kwargs)) is not None:
+            if labels is not None:
+                _log_once(f"fused cross-entropy: {reason}; {type(self).__name__} computes full logits")
+            return type(self).forward(self, input_ids, *args, labels=labels, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        kwargs.pop("logits_to_keep", None)
+        if family.moe and kwargs.get("output_router_logits") is None:
+            kwargs["output_router_logits"] = self.config.output_router_logits
+        outputs = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
+
+        hidden = outputs.last_hidden_state
+        ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+        targets = kwargs.get("shift_labels")
+        targets = shift_labels(labels, ignore_index) if targets is None else targets
+        loss = linear_cross_entropy(
+            hidden,
+            self.lm_head.weight,
+            targets.to(hidden.device),
+            bias=self.lm_head.bias,
+            ignore_index=ignore_index,
+            softcap=getattr(self.config, "final_logit_softcapping", None),
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+        )
+        common = dict(
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        if family.moe:
+            aux_loss = None
+            if kwargs["output_router_logits"]:
+                aux_loss = load_balancing_loss(
+                    outputs.router_logits,
+                    self.num_experts,
+                    self.num_experts_per_tok,
+                    kwargs.get("attention_mask"),
+                )
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            output = MoeCausalLMOutputWithPast(
+                loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **common
+            )
+        else:
+            output = CausalLMOutputWithPast(loss=loss, **common)
+        return output if return_dict else output.to_tuple()
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------- LoRA
+@_op_forward("lora")
+def lora_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT ``lora.Linear`` forward through ``sloth::lora_linear``, falling back to PEFT's forward.
+
+    The fallback is logged once per process (under ``torch.compile`` that log is a graph break, on
+    the fallback path only).
+    """
+    if not args and not kwargs:
+        out = fused_lora_forward(self, x)
+        if out is not None:
+            return out
+    _log_once(
+        "fused LoRA: a lora.Linear is outside the fused op's plain case (dropout, DoRA, bias, "
+        "quantized or merged base, several adapters, ...); those layers run PEFT's forward"
+    )
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+def lora_fuses_now(module: LoraLinear) -> bool:
+    """Whether ``module`` in its current state takes the fused path (probed with zero rows)."""
+    weight = module.get_base_layer().weight
+    probe = torch.empty(0, module.in_features, dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        return fused_lora_forward(module, probe) is not None
