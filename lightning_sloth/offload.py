@@ -501,7 +501,8 @@ class ActivationOffloader:
         ``backward_wait_ms_per_step`` (time the compute stream waited on host-to-device copies;
         copies still in flight are counted at the next call), ``forward_wait_ms_per_step`` (host
         time the forward waited for device-to-host copies to drain), ``prefetched``,
-        ``fetched_on_demand``, ``prefetch_skipped`` (auto policy, not enough free memory),
+        ``fetched_on_demand``, ``prefetch_skipped`` (prefetch attempts declined by the auto policy
+        for lack of free memory; one layer may be declined more than once),
         ``host_pool_bytes``, ``host_pool_in_use_bytes``, ``host_pool_allocations``
         (cumulative), ``host_pinned``.
 

@@ -207,10 +207,24 @@ class SlothDDPStrategy(_SlothSetup, DDPStrategy):
     strategy_name = "sloth_ddp"
 
     def __init__(
-        self, packed_attention: bool = True, gradient_checkpointing: bool = True, **kwargs: Any
+        self,
+        packed_attention: bool = True,
+        gradient_checkpointing: bool = True,
+        kernels: Any = None,
+        offload: str = "off",
+        memory_budget: int | str | None = None,
+        compile: bool | dict = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._init_sloth(packed_attention, gradient_checkpointing)
+        self._init_sloth(
+            packed_attention=packed_attention,
+            gradient_checkpointing=gradient_checkpointing,
+            kernels=kernels,
+            offload=offload,
+            memory_budget=memory_budget,
+            compile=compile,
+        )
 
     def setup(self, trainer) -> None:
         self._apply_sloth()

@@ -89,7 +89,8 @@ def test_auto_policy_falls_back_to_single_buffer_without_room():
     offloader.activation_bytes_hint = 1 << 60  # pretend no device has room for a second buffer
     assert_bitwise(step_grads(model, ids), want)
     stats = offloader.stats()
-    assert (stats["prefetched"], stats["fetched_on_demand"], stats["prefetch_skipped"]) == (0, 3, 3)
+    assert (stats["prefetched"], stats["fetched_on_demand"]) == (0, 3)
+    assert stats["prefetch_skipped"] >= 3  # declined attempts: at least one per offloaded layer
 
 
 def test_compiled_layers_match_with_and_without_offload():
