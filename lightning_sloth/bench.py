@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -197,13 +198,34 @@ SYSTEMS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+KERNEL_OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora")
+
+
+def resolve_system(name: str) -> tuple[Callable, Callable]:
+    """A system by name; ``sloth_kernels_without_<op>`` switches one kernel off (ablation)."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    prefix = "sloth_kernels_without_"
+    op = name[len(prefix) :] if name.startswith(prefix) else None
+    if op not in KERNEL_OPS:
+        known = sorted(SYSTEMS) + [prefix + o for o in KERNEL_OPS]
+        raise SystemExit(f"unknown system {name!r}; choose from {known}")
+    return _sloth(kernels={o: o != op for o in KERNEL_OPS}), _packed_batches
+
+
 def _to_cuda(inputs: dict) -> dict:
     return {k: v.to("cuda", non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
 
 
-def run_system(name: str, workload: Workload, samples, peak_flops: float) -> dict:
-    """Train ``warmup_steps + timed_steps`` steps of one system and measure the timed ones."""
-    setup, batches = SYSTEMS[name]
+def run_system(
+    name: str, workload: Workload, samples, peak_flops: float, profile_to: str | None = None
+) -> dict:
+    """Train ``warmup_steps + timed_steps`` steps of one system and measure the timed ones.
+
+    With ``profile_to``, one extra step after the timed ones runs under ``torch.profiler`` and
+    its per-kernel CUDA time table is written there (not part of the timings).
+    """
+    setup, batches = resolve_system(name)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = setup(workload)
@@ -215,9 +237,13 @@ def run_system(name: str, workload: Workload, samples, peak_flops: float) -> dic
     times, tokens, flops, losses = [], [], [], []
     grad_norm = float("nan")
     steps = workload.warmup_steps + workload.timed_steps
+    profiler = None
     for step, (micro_batches, real_tokens, sum_sq, targets) in enumerate(batches(workload, samples, 0)):
-        if step == steps:
+        if step == steps + (profile_to is not None):
             break
+        if step == steps:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         micro_batches = [_to_cuda(m) for m in micro_batches]
         num_items = torch.tensor(targets, device="cuda")
         torch.cuda.synchronize()
@@ -235,6 +261,11 @@ def run_system(name: str, workload: Workload, samples, peak_flops: float) -> dic
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            with open(profile_to, "w") as fh:
+                fh.write(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+            break
         losses.append(float(loss))
         if step >= workload.warmup_steps:
             times.append(elapsed)
@@ -291,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens-per-step", type=int, default=16384)
     parser.add_argument("--timed-steps", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--profile", default=None, help="a system to profile one extra step of")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -303,14 +335,18 @@ def main(argv: list[str] | None = None) -> dict:
         warmup_steps=args.warmup_steps,
     )
     samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
-    results = [run_system(s, workload, samples, args.peak_tflops * 1e12) for s in args.systems.split(",")]
+    profile_to = str(Path(args.out).with_suffix("")) + "_profile.txt"
+    results = [
+        run_system(s, workload, samples, args.peak_tflops * 1e12, profile_to if s == args.profile else None)
+        for s in args.systems.split(",")
+    ]
     report = {"environment": environment(), "workload": asdict(workload), "results": results}
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
-    print(f"{'system':<12} {'tok/s':>9} {'step s':>7} {'peak GiB':>9} {'MFU':>6} {'loss first→last':>18}")
+    print(f"{'system':<34} {'tok/s':>9} {'step s':>7} {'peak GiB':>9} {'MFU':>6} {'loss first→last':>18}")
     for r in results:
         print(
-            f"{r['system']:<12} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>7.3f} "
+            f"{r['system']:<34} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>7.3f} "
             f"{r['peak_allocated_gib']:>9.2f} {r['mfu']:>6.1%} {r['first_loss']:>8.3f}→{r['last_loss']:.3f}"
         )
     return report

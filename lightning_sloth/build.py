@@ -1,0 +1,364 @@
+"""Builders from a composed :class:`~lightning_sloth.config.TrainConfig` to the objects of a run.
+
+Each function takes the config node it needs and returns one thing; none reads Hydra's global
+state, so they serve scripts and tests as well as the app. Heavy libraries are imported inside
+the functions: composing and validating a config stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_sloth.config import (
+    ConfigError,
+    HFDatasetDataConfig,
+    JsonlDataConfig,
+    PretrainedModelConfig,
+    RandomModelConfig,
+    Switch,
+    SyntheticDataConfig,
+)
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.strategies import Strategy
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from lightning_sloth.data import PackedDataModule
+    from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettings
+    from lightning_sloth.plugins import SlothPrecision
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+ADAPTER_DIR = "adapter"
+
+
+def build_tokenizer(model: DictConfig) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: the built-in character tokenizer for ``model.tokenizer: char``, else
+    ``AutoTokenizer.from_pretrained(model.tokenizer)``."""
+    if model.tokenizer == "char":
+        from lightning_sloth.data import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    if OmegaConf.get_type(model) is PretrainedModelConfig:
+        kwargs = {"revision": model.revision, "trust_remote_code": model.trust_remote_code}
+    return AutoTokenizer.from_pretrained(model.tokenizer, **kwargs)
+
+
+def build_model_config(model: DictConfig, vocab_size: int):
+    """The transformers ``PretrainedConfig`` of a ``RandomModelConfig`` node.
+
+    Args:
+        model: a ``model`` node of type :class:`RandomModelConfig`.
+        vocab_size: the tokenizer's number of ids; the embedding gets ``model.vocab_size`` rows
+            when set (it must cover the tokenizer), else exactly this many.
+    """
+    from transformers import AutoConfig
+
+    if model.vocab_size is not None and model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"invalid configuration:\n  model.vocab_size: {model.vocab_size} is smaller than the "
+            f"tokenizer's {vocab_size} ids"
+        )
+    kwargs: dict[str, Any] = {
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size,
+        "num_hidden_layers": model.num_hidden_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads,
+        "vocab_size": model.vocab_size or vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings,
+    }
+    if model.head_dim is not None:
+        kwargs["head_dim"] = model.head_dim
+    if model.rope_theta is not None:
+        kwargs["rope_theta"] = model.rope_theta
+    kwargs.update(OmegaConf.to_container(model.extra, resolve=True))
+    return AutoConfig.for_model(model.model_type, **kwargs)
+
+
+def build_model(model: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The transformers causal LM: random weights from a config, or ``from_pretrained``.
+
+    Special token ids (pad, bos, eos) are taken from the tokenizer for a random model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kind = OmegaConf.get_type(model)
+    if kind is RandomModelConfig:
+        config = build_model_config(model, len(tokenizer))
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            setattr(config, name, getattr(tokenizer, name))
+        return AutoModelForCausalLM.from_config(config)
+    if kind is PretrainedModelConfig:
+        import torch
+
+        dtype = model.dtype.value
+        return AutoModelForCausalLM.from_pretrained(
+            model.name_or_path,
+            revision=model.revision,
+            dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+            trust_remote_code=model.trust_remote_code,
+        )
+    raise TypeError(f"model config of type {kind.__name__} has no builder")
+
+
+def build_data_sources(data: DictConfig) -> tuple[Any, Any]:
+    """``(train, val)`` record sources for ``PackedDataModule``; ``val`` is ``None`` without validation."""
+    kind = OmegaConf.get_type(data)
+    if kind is SyntheticDataConfig:
+        from lightning_sloth.data import SyntheticTask
+
+        train, val = SyntheticTask.splits(
+            data.num_train, data.num_val, seed=data.seed, tasks=list(data.tasks)
+        )
+        return train, (val if data.num_val else None)
+    if kind is JsonlDataConfig:
+        return data.train_path, data.val_path
+    if kind is HFDatasetDataConfig:
+        try:
+            import datasets
+        except ImportError as error:
+            raise ImportError(
+                "data=hf_dataset needs the optional `datasets` package: pip install datasets"
+            ) from error
+
+        def load(split: str | None):
+            return None if split is None else datasets.load_dataset(data.path, data.name, split=split)
+
+        return load(data.train_split), load(data.val_split)
+    raise TypeError(f"data config of type {kind.__name__} has no builder")
+
+
+def build_datamodule(data: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PackedDataModule:
+    """The ``PackedDataModule`` of the ``data`` node (nothing is tokenized until ``setup``)."""
+    from lightning_sloth.data import PackedDataModule
+
+    train, val = build_data_sources(data)
+    return PackedDataModule(
+        tokenizer,
+        train,
+        val,
+        max_tokens=data.max_tokens,
+        overlong=data.overlong.value,
+        on_bad_record=data.on_bad_record.value,
+        num_workers=data.num_workers,
+        seed=data.seed,
+        pad_to_multiple_of=data.pad_to_multiple_of,
+        shuffle=data.shuffle,
+    )
+
+
+def build_lora_settings(lora: DictConfig) -> LoraSettings | None:
+    """``LoraSettings`` of the ``lora`` node; ``None`` (full fine-tuning) when ``lora.enabled`` is false."""
+    from lightning_sloth.module import LoraSettings
+
+    if not lora.enabled:
+        return None
+    return LoraSettings(
+        r=lora.r,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
+        target_parameters=tuple(lora.target_parameters),
+        modules_to_save=tuple(lora.modules_to_save),
+    )
+
+
+def build_optimizer_settings(optimizer: DictConfig) -> OptimizerSettings:
+    """``OptimizerSettings`` of the ``optimizer`` node."""
+    from lightning_sloth.module import OptimizerSettings
+
+    return OptimizerSettings(
+        lr=optimizer.lr,
+        weight_decay=optimizer.weight_decay,
+        betas=tuple(optimizer.betas),
+        warmup_steps=optimizer.warmup_steps,
+        scheduler=optimizer.scheduler.value,
+        min_lr_ratio=optimizer.min_lr_ratio,
+    )
+
+
+def build_module(cfg: DictConfig, model: PreTrainedModel) -> CausalLMModule:
+    """``CausalLMModule`` around ``model`` with the run's LoRA and optimizer settings."""
+    from lightning_sloth.module import CausalLMModule
+
+    return CausalLMModule(
+        model, lora=build_lora_settings(cfg.lora), optimizer=build_optimizer_settings(cfg.optimizer)
+    )
+
+
+def build_precision(precision: DictConfig) -> SlothPrecision:
+    """``SlothPrecision`` of the ``precision`` node (``auto`` resolves on this machine)."""
+    from lightning_sloth.plugins import SlothPrecision
+
+    return SlothPrecision(precision.precision.value)
+
+
+def num_processes(trainer: DictConfig) -> int:
+    """Processes the run will use: ``trainer.devices`` (``-1``: every visible GPU) times ``num_nodes``."""
+    devices = trainer.devices
+    if devices == -1:
+        import torch
+
+        devices = max(torch.cuda.device_count(), 1) if trainer.accelerator != "cpu" else 1
+    return devices * trainer.num_nodes
+
+
+def ddp_start_method(multirun: bool) -> str:
+    """How the DDP strategy starts its processes.
+
+    Lightning's default (``"popen"``) re-runs ``sys.argv`` in every extra process; Lightning
+    points the copies at the job's ``hydra.run.dir``, which works for a single run. Under
+    ``-m`` the re-run command is the whole sweep (every process would start every job) and a
+    job's output dir is not ``hydra.run.dir``, so multirun jobs start their processes with
+    ``"spawn"`` instead: the workers are forked from the job itself, unpickling the Trainer's
+    model, data and callbacks, and never re-read the command line.
+    """
+    return "spawn" if multirun else "popen"
+
+
+def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
+    """Keyword arguments of ``SlothStrategy`` / ``SlothDDPStrategy`` from the ``sloth`` node.
+
+    ``kernels: auto`` turns the Triton kernels on where CUDA is available; ``kernel_ops`` with an op
+    switched off, and ``compile_options`` when not empty, are passed instead of ``True``.
+    """
+    import torch
+
+    kernels = sloth.kernels is Switch.on or (sloth.kernels is Switch.auto and torch.cuda.is_available())
+    kernel_ops = OmegaConf.to_container(sloth.kernel_ops, resolve=True)
+    compile_options = OmegaConf.to_container(sloth.compile_options, resolve=True)
+    budget = sloth.memory_budget
+    return {
+        "packed_attention": sloth.packed_attention,
+        "gradient_checkpointing": sloth.gradient_checkpointing,
+        "kernels": (True if all(kernel_ops.values()) else kernel_ops) if kernels else None,
+        "offload": sloth.offload.value,
+        "memory_budget": int(budget) if budget is not None and budget != "auto" else budget,
+        "compile": (compile_options or True) if sloth.compile else False,
+    }
+
+
+def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = False) -> Strategy:
+    """``SlothStrategy`` for one process, else ``SlothDDPStrategy`` started per :func:`ddp_start_method`.
+
+    Args:
+        sloth: the ``sloth`` node (the model transformations).
+        trainer: the ``trainer`` node (``devices``, ``num_nodes``, ``accelerator``).
+        multirun: the job runs under Hydra's ``-m`` (``HydraConfig.get().mode == MULTIRUN``).
+    """
+    from lightning_sloth.plugins import SlothDDPStrategy, SlothStrategy
+
+    settings = sloth_settings(sloth)
+    if num_processes(trainer) == 1:
+        return SlothStrategy(**settings)
+    return SlothDDPStrategy(start_method=ddp_start_method(multirun), **settings)
+
+
+def build_loggers(output_dir: str | Path) -> list[Logger]:
+    """CSV (``<output_dir>/csv/version_N/metrics.csv``) and TensorBoard (``<output_dir>/tensorboard/version_N``)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    return [
+        CSVLogger(save_dir=output_dir, name="csv"),
+        TensorBoardLogger(save_dir=output_dir, name="tensorboard"),
+    ]
+
+
+def build_callbacks(trainer: DictConfig, output_dir: str | Path) -> list[Callback]:
+    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``), learning-rate and throughput monitors,
+    the gradient-flow guard and the adapter export (``<output_dir>/adapter``)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter, SlothThroughputMonitor
+
+    output_dir = Path(output_dir)
+    checkpoint = ModelCheckpoint(
+        dirpath=output_dir / CHECKPOINT_DIR,
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=trainer.checkpoint_every_n_steps or trainer.val_check_interval,
+        # Resuming into the same directory overwrites last.ckpt instead of writing last-v1.ckpt.
+        enable_version_counter=False,
+    )
+    return [
+        checkpoint,
+        LearningRateMonitor(logging_interval="step"),
+        SlothThroughputMonitor(window_size=trainer.throughput_window),
+        GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
+        SaveAdapter(output_dir / ADAPTER_DIR),
+    ]
+
+
+def build_trainer(
+    cfg: DictConfig,
+    output_dir: str | Path,
+    *,
+    multirun: bool = False,
+    callbacks: list[Callback] | None = None,
+    loggers: list[Logger] | bool | None = None,
+) -> Trainer:
+    """The ``lightning.Trainer`` of the run: sloth strategy, ``SlothPrecision`` plugin, callbacks, loggers.
+
+    Args:
+        cfg: the whole run config (``trainer``, ``sloth``, ``precision`` are read).
+        output_dir: the job's output directory (``HydraConfig.get().runtime.output_dir`` in the app).
+        multirun: the job runs under Hydra's ``-m``; decides how DDP starts processes.
+        callbacks: defaults to :func:`build_callbacks`.
+        loggers: defaults to :func:`build_loggers`; ``False`` disables logging.
+    """
+    from lightning.pytorch import Trainer
+
+    t = cfg.trainer
+    return Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(cfg.sloth, t, multirun),
+        plugins=[build_precision(cfg.precision)],
+        callbacks=build_callbacks(t, output_dir) if callbacks is None else callbacks,
+        logger=build_loggers(output_dir) if loggers is None else loggers,
+        default_root_dir=output_dir,
+        max_steps=t.max_steps,
+        max_epochs=t.max_epochs,
+        val_check_interval=t.val_check_interval,
+        # Count val_check_interval across epochs, so it may exceed one epoch's batches.
+        check_val_every_n_epoch=None,
+        limit_val_batches=1.0 if t.limit_val_batches is None else t.limit_val_batches,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        log_every_n_steps=t.log_every_n_steps,
+        enable_progress_bar=t.enable_progress_bar,
+        deterministic=t.deterministic,
+    )
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> str | None:
+    """The checkpoint ``Trainer.fit`` resumes from.
+
+    Args:
+        resume: ``"auto"`` (``<output_dir>/checkpoints/last.ckpt`` if it exists, else none), a
+            checkpoint path (must exist), or ``None`` (start fresh).
+        output_dir: the job's output directory.
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        last = Path(output_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
+        return str(last) if last.is_file() else None
+    if not Path(resume).is_file():
+        raise FileNotFoundError(f"resume: checkpoint {resume!r} does not exist")
+    return str(resume)

@@ -1,0 +1,34 @@
+"""The benchmark harness's host-side pieces (the timed runs need a GPU)."""
+
+import pytest
+import torch
+
+from lightning_sloth.bench import Workload, group_consecutive, padded_batch, resolve_system
+
+
+def test_workload_lengths_are_seeded_and_clipped():
+    workload = Workload(median_len=250, min_len=16, max_len=2048)
+    lengths = workload.lengths(2000)
+    assert lengths == workload.lengths(2000)
+    assert min(lengths) >= 16 and max(lengths) <= 2048
+    assert 200 <= sorted(lengths)[1000] <= 300
+
+
+def test_baseline_steps_respect_the_token_budget():
+    lengths = [100, 300, 50, 600, 20, 900]
+    steps = group_consecutive(lengths, budget=1000)
+    assert [i for step in steps for i in step] == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in step) <= 1000 for step in steps)
+
+
+def test_padded_batch_masks_padding():
+    batch = padded_batch([([5, 6, 7], [-100, 6, 7]), ([8], [8])], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
+    assert batch["attention_mask"].sum() == 4 and batch["attention_mask"].dtype == torch.long
+
+
+def test_ablation_systems_resolve_and_unknown_names_are_named():
+    resolve_system("sloth_kernels_without_rope")
+    with pytest.raises(SystemExit, match="unknown system 'fast'"):
+        resolve_system("fast")
