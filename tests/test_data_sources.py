@@ -119,6 +119,10 @@ def expected_response(prompt: str) -> str:
     if head == "add":
         a, b = arg.split("+")
         return str(int(a) + int(b))
+    if head == "next":
+        return "".join("abcdefghijklmnopqrstuvwxyza"["abcdefghijklmnopqrstuvwxyz".index(c) + 1] for c in arg)
+    if head == "last":
+        return arg[-1]
     raise AssertionError(f"unknown prompt {prompt!r}")
 
 
@@ -129,7 +133,7 @@ def test_synthetic_task_answers_are_determined_by_prompts():
     assert {r["task"] for r in records} == set(SYNTHETIC_TASKS)
     for record in records:
         assert record["prompt"].endswith("\n")
-        assert 9 <= len(record["prompt"]) <= 34
+        assert 8 <= len(record["prompt"]) <= 34
         assert 1 <= len(record["response"]) <= 26
         assert record["response"] == expected_response(record["prompt"])
     assert len({len(r["prompt"]) for r in records}) > 15  # varied lengths

@@ -102,7 +102,7 @@ class SyntheticTask(Sequence[Record]):
         copy: xyz\\n       -> xyz          repeat 3: ab\\n -> ababab      add: 12+345\\n -> 357
         next: abz\\n       -> bca          last: hello\\n -> o
 
-    Prompts are 9 to 34 characters, responses 1 to 26. Record ``i`` depends only on
+    Prompts are 8 to 34 characters, responses 1 to 26. Record ``i`` depends only on
     ``(seed, i)``, so the task is deterministic and random access is cheap.
 
     Args:
