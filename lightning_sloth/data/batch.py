@@ -78,7 +78,11 @@ class PackedBatch:
     def _map_tensors(self, fn) -> PackedBatch:
         return replace(
             self,
-            **{f.name: fn(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)},
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
         )
 
     def pin_memory(self) -> PackedBatch:

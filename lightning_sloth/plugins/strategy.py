@@ -125,18 +125,40 @@ def transform_model(
 
 
 class _SlothSetup:
-    """The model transformation shared by the single-device and DDP strategies."""
+    """The model transformation shared by the single-device and DDP strategies.
 
-    def _init_sloth(self, **settings: Any) -> None:
-        self.sloth_settings = settings
+    Takes the :func:`transform_model` settings and passes every other argument on to the
+    Lightning strategy it is mixed into.
+    """
+
+    def __init__(
+        self,
+        packed_attention: bool = True,
+        gradient_checkpointing: bool = True,
+        kernels: Any = None,
+        offload: str = "off",
+        memory_budget: int | str | None = None,
+        compile: bool | dict = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.sloth_settings = dict(
+            packed_attention=packed_attention,
+            gradient_checkpointing=gradient_checkpointing,
+            kernels=kernels,
+            offload=offload,
+            memory_budget=memory_budget,
+            compile=compile,
+        )
         self.offloader = None
         self.sloth_report: SlothReport | None = None
 
-    def _apply_sloth(self) -> None:
+    def setup(self, trainer) -> None:
         report = transform_model(self.lightning_module, **self.sloth_settings)
         self.sloth_report = report
         self.offloader = report.offloader
         log.info("SlothStrategy applied: %s", ", ".join(report.applied) or "nothing")
+        super().setup(trainer)
 
 
 class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
@@ -159,27 +181,9 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
 
     strategy_name = "sloth"
 
-    def __init__(
-        self,
-        packed_attention: bool = True,
-        gradient_checkpointing: bool = True,
-        kernels: Any = None,
-        offload: str = "off",
-        memory_budget: int | str | None = None,
-        compile: bool | dict = False,
-        device: torch.device | str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(device=device or "cpu", **kwargs)
+    def __init__(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, device=device or "cpu", **kwargs)
         self._device_given = device is not None
-        self._init_sloth(
-            packed_attention=packed_attention,
-            gradient_checkpointing=gradient_checkpointing,
-            kernels=kernels,
-            offload=offload,
-            memory_budget=memory_budget,
-            compile=compile,
-        )
 
     def setup_environment(self) -> None:
         if not self._device_given:
@@ -187,10 +191,6 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
             devices = self.lightning_module.trainer._accelerator_connector._parallel_devices
             self._root_device = devices[0] if devices else torch.device("cpu")
         super().setup_environment()
-
-    def setup(self, trainer) -> None:
-        self._apply_sloth()
-        super().setup(trainer)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -205,30 +205,6 @@ class SlothDDPStrategy(_SlothSetup, DDPStrategy):
     """
 
     strategy_name = "sloth_ddp"
-
-    def __init__(
-        self,
-        packed_attention: bool = True,
-        gradient_checkpointing: bool = True,
-        kernels: Any = None,
-        offload: str = "off",
-        memory_budget: int | str | None = None,
-        compile: bool | dict = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._init_sloth(
-            packed_attention=packed_attention,
-            gradient_checkpointing=gradient_checkpointing,
-            kernels=kernels,
-            offload=offload,
-            memory_budget=memory_budget,
-            compile=compile,
-        )
-
-    def setup(self, trainer) -> None:
-        self._apply_sloth()
-        super().setup(trainer)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
