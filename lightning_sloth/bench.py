@@ -24,6 +24,7 @@ over the device's dense bf16 peak.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -289,7 +290,9 @@ def run_system(
         "trainable_grad_norm": grad_norm,
         "timed_steps": len(times),
     }
-    del model, optimizer
+    del model, optimizer, loss, micro_batches
+    gc.collect()
+    torch.cuda.empty_cache()
     return result
 
 
