@@ -277,11 +277,18 @@ def build_loggers(output_dir: str | Path) -> list[Logger]:
     ]
 
 
-def build_callbacks(trainer: DictConfig, output_dir: str | Path) -> list[Callback]:
+def offload_enabled(cfg: DictConfig) -> bool:
+    """Whether the run asks for activation offload (``sloth.offload`` is on or auto)."""
+    return cfg.sloth.offload is not Switch.off
+
+
+def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool = False) -> list[Callback]:
     """Checkpointing (``<output_dir>/checkpoints/last.ckpt``), learning-rate and throughput monitors,
-    the gradient-flow guard and the adapter export (``<output_dir>/adapter``)."""
+    the gradient-flow guard, the adapter export (``<output_dir>/adapter``) and, with activation
+    offload on, its statistics (bytes offloaded, pinned pool size, backward wait)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
+    from lightning_sloth.offload import OffloadStatsCallback
     from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter, SlothThroughputMonitor
 
     output_dir = Path(output_dir)
@@ -299,7 +306,7 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path) -> list[Callbac
         SlothThroughputMonitor(window_size=trainer.throughput_window),
         GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
         SaveAdapter(output_dir / ADAPTER_DIR),
-    ]
+    ] + ([OffloadStatsCallback()] if offload else [])
 
 
 def build_trainer(
@@ -328,7 +335,7 @@ def build_trainer(
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg.sloth, t, multirun),
         plugins=[build_precision(cfg.precision)],
-        callbacks=build_callbacks(t, output_dir) if callbacks is None else callbacks,
+        callbacks=build_callbacks(t, output_dir, offload_enabled(cfg)) if callbacks is None else callbacks,
         logger=build_loggers(output_dir) if loggers is None else loggers,
         default_root_dir=output_dir,
         max_steps=t.max_steps,

@@ -148,7 +148,7 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     output_dir = Path(output_dir)
     resume = build.resolve_resume(cfg.resume, output_dir)
     # The Trainer (strategy, precision, callbacks) is cheap: its argument errors come before a model load.
-    callbacks = build.build_callbacks(cfg.trainer, output_dir)
+    callbacks = build.build_callbacks(cfg.trainer, output_dir, build.offload_enabled(cfg))
     callbacks.append(RunSummary(output_dir / METRICS_FILE, start_time=start, resumed_from=resume))
     trainer = build.build_trainer(cfg, output_dir, multirun=multirun, callbacks=callbacks)
 

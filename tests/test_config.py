@@ -300,3 +300,13 @@ def test_resume_resolution(tmp_path):
     assert build.resolve_resume(str(last), "/elsewhere") == str(last)
     with pytest.raises(FileNotFoundError, match="resume: checkpoint '/no/such.ckpt' does not exist"):
         build.resolve_resume("/no/such.ckpt", tmp_path)
+
+
+@pytest.mark.parametrize(("offload", "expected"), [("off", False), ("on", True), ("auto", True)])
+def test_offload_adds_its_statistics_callback(hydra_conf, tmp_path, offload, expected):
+    from lightning_sloth.build import build_callbacks, offload_enabled
+    from lightning_sloth.offload import OffloadStatsCallback
+
+    cfg = make(f"sloth.offload={offload}")
+    callbacks = build_callbacks(cfg.trainer, tmp_path, offload_enabled(cfg))
+    assert any(isinstance(c, OffloadStatsCallback) for c in callbacks) is expected
