@@ -5,13 +5,9 @@ triton is imported, so ``test_kernels_under_triton_interpreter`` reruns this fil
 cases in a fresh process with it set (they skip in the normal run).
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _interpreter import interpreted_only, launcher_only, run_interpreted_cases
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sloth.ops.rms_norm import (
@@ -22,8 +18,6 @@ from lightning_sloth.ops.rms_norm import (
     rms_norm_reference,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_under_triton_interpreter")
 EPS = 1e-6
 
 
@@ -191,17 +185,9 @@ def test_kernels_interpreted(dtype, offset, shape, layout):
     torch.testing.assert_close(grad_w, grad_w_ref, **tolerance)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the launcher of the interpreted cases")
+@launcher_only
 def test_kernels_under_triton_interpreter():
-    pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_interpreted_cases(__file__)
     assert result.returncode == 0 and " passed" in result.stdout, (
         result.stdout[-5000:] + result.stderr[-2000:]
     )

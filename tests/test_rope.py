@@ -5,13 +5,9 @@ triton is imported, so ``test_kernels_under_triton_interpreter`` reruns this fil
 cases in a fresh process with it set (they skip in the normal run).
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _interpreter import interpreted_only, launcher_only, run_interpreted_cases
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sloth.ops.rope import (
@@ -21,9 +17,6 @@ from lightning_sloth.ops.rope import (
     rope_backward_reference,
     rope_reference,
 )
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_under_triton_interpreter")
 
 
 def _qk(batch, n_q_heads, n_kv_heads, seq_len, head_dim, dtype=torch.float32):
@@ -230,17 +223,9 @@ def test_kernels_interpreted(dtype, head_dim, rotary_dim, n_q_heads, n_kv_heads)
     )
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the launcher of the interpreted cases")
+@launcher_only
 def test_kernels_under_triton_interpreter():
-    pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_interpreted_cases(__file__)
     assert result.returncode == 0 and " passed" in result.stdout, (
         result.stdout[-5000:] + result.stderr[-2000:]
     )
