@@ -29,8 +29,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
-LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DEFAULT_SYNTHETIC_TASKS = ["reverse", "upper", "sort", "repeat", "add"]
+from lightning_sloth.data.sources import DEFAULT_TASKS
+from lightning_sloth.module import LLAMA_PROJECTIONS
 
 
 class PrecisionMode(Enum):
@@ -155,7 +155,7 @@ class SyntheticDataConfig(DataConfig):
 
     num_train: int = 4000
     num_val: int = 256
-    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_SYNTHETIC_TASKS))
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
 
 
 @dataclass

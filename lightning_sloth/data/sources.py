@@ -92,6 +92,9 @@ SYNTHETIC_TASKS = {
 }
 
 
+DEFAULT_TASKS = ("reverse", "upper", "sort", "repeat", "add")
+
+
 class SyntheticTask(Sequence[Record]):
     """A built-in instruction task: short string transformations and small additions.
 
@@ -115,7 +118,7 @@ class SyntheticTask(Sequence[Record]):
         self,
         num_samples: int,
         seed: int = 0,
-        tasks: Sequence[str] = ("reverse", "upper", "sort", "repeat", "add"),
+        tasks: Sequence[str] = DEFAULT_TASKS,
     ) -> None:
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
