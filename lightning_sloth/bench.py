@@ -15,6 +15,15 @@ Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
     sloth_kernels          + Triton kernels (``SlothStrategy(kernels=True)``).
     sloth_kernels_compile  + regional compile.
     sloth_kernels_offload  + activation offload (``offload="on"``).
+    sloth_kernels_planned  + offload "auto" and ``memory_budget="auto"``: the per-layer
+                           keep/recompute/offload plan for what the device has free.
+    sloth_kernels_offload_budget_<N>gib
+                           + offload "on" and a memory plan for ``N`` GiB of layer activations.
+    sloth_kernels_without_<op>
+                           every kernel but one (ablation; op from KERNEL_OPS).
+
+Each system runs in its own fresh process (``--same-process`` turns that off), so no system's
+memory or allocator state leaks into the next one's peak.
 
 MFU counts model FLOPs as ``6 · N · tokens + 6 · layers · heads · head_dim · Σ len²`` (``N``: all
 parameters but the input embedding; the second term is causal attention), real tokens only,
@@ -196,6 +205,7 @@ SYSTEMS: dict[str, tuple[Callable, Callable]] = {
     "sloth_kernels": (_sloth(kernels=True), _packed_batches),
     "sloth_kernels_compile": (_sloth(kernels=True, compile=True), _packed_batches),
     "sloth_kernels_offload": (_sloth(kernels=True, offload="on"), _packed_batches),
+    "sloth_kernels_planned": (_sloth(kernels=True, offload="auto", memory_budget="auto"), _packed_batches),
 }
 
 
@@ -203,15 +213,23 @@ KERNEL_OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora")
 
 
 def resolve_system(name: str) -> tuple[Callable, Callable]:
-    """A system by name; ``sloth_kernels_without_<op>`` switches one kernel off (ablation)."""
+    """A system by name: one of :data:`SYSTEMS`, ``sloth_kernels_without_<op>`` (ablation) or
+    ``sloth_kernels_offload_budget_<N>gib`` (offload with a memory plan for N GiB of activations)."""
     if name in SYSTEMS:
         return SYSTEMS[name]
-    prefix = "sloth_kernels_without_"
-    op = name[len(prefix) :] if name.startswith(prefix) else None
-    if op not in KERNEL_OPS:
-        known = sorted(SYSTEMS) + [prefix + o for o in KERNEL_OPS]
-        raise SystemExit(f"unknown system {name!r}; choose from {known}")
-    return _sloth(kernels={o: o != op for o in KERNEL_OPS}), _packed_batches
+    ablation, budget = "sloth_kernels_without_", "sloth_kernels_offload_budget_"
+    if name.startswith(ablation) and name[len(ablation) :] in KERNEL_OPS:
+        op = name[len(ablation) :]
+        return _sloth(kernels={o: o != op for o in KERNEL_OPS}), _packed_batches
+    gib = name[len(budget) : -len("gib")] if name.startswith(budget) and name.endswith("gib") else ""
+    try:
+        budget_bytes = int(float(gib) * 2**30)
+    except ValueError:
+        budget_bytes = -1
+    if budget_bytes >= 0:
+        return _sloth(kernels=True, offload="on", memory_budget=budget_bytes), _packed_batches
+    known = sorted(SYSTEMS) + [ablation + o for o in KERNEL_OPS] + [budget + "<N>gib"]
+    raise SystemExit(f"unknown system {name!r}; choose from {known}")
 
 
 def _to_cuda(inputs: dict) -> dict:
@@ -237,6 +255,7 @@ def run_system(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     times, tokens, flops, losses = [], [], [], []
     grad_norm = float("nan")
+    warmup_peak = 0
     steps = workload.warmup_steps + workload.timed_steps
     profiler = None
     for step, (micro_batches, real_tokens, sum_sq, targets) in enumerate(batches(workload, samples, 0)):
@@ -248,6 +267,9 @@ def run_system(
         micro_batches = [_to_cuda(m) for m in micro_batches]
         num_items = torch.tensor(targets, device="cuda")
         torch.cuda.synchronize()
+        if step == workload.warmup_steps:  # the timed steps' own peak, warm-up (and planning) excluded
+            warmup_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         loss = 0.0
         for inputs in micro_batches:
@@ -284,6 +306,7 @@ def run_system(
         "median_tokens_per_step": statistics.median(tokens),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "warmup_peak_allocated_gib": warmup_peak / 2**30,
         "mfu": sum(flops) / sum(times) / peak_flops,
         "first_loss": losses[0],
         "last_loss": losses[-1],
@@ -294,6 +317,17 @@ def run_system(
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def run_isolated(
+    name: str, workload: Workload, samples, peak_flops: float, profile_to: str | None = None
+) -> dict:
+    """:func:`run_system` in a fresh spawned process: a clean CUDA context and allocator per system."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_system, name, workload, samples, peak_flops, profile_to).result()
 
 
 def environment() -> dict:
@@ -327,8 +361,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--profile", default=None, help="a system to profile one extra step of")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
+    parser.add_argument(
+        "--same-process", action="store_true", help="run every system in this process (default: one each)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    for name in systems:
+        resolve_system(name)  # unknown names fail before any model is built
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU")
     workload = Workload(
@@ -339,10 +379,18 @@ def main(argv: list[str] | None = None) -> dict:
     )
     samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
     profile_to = str(Path(args.out).with_suffix("")) + "_profile.txt"
-    results = [
-        run_system(s, workload, samples, args.peak_tflops * 1e12, profile_to if s == args.profile else None)
-        for s in args.systems.split(",")
-    ]
+    run = run_system if args.same_process else run_isolated
+    results = []
+    for name in systems:
+        results.append(
+            run(
+                name, workload, samples, args.peak_tflops * 1e12, profile_to if name == args.profile else None
+            )
+        )
+        print(
+            f"{name}: {results[-1]['tokens_per_s']:.0f} tok/s, {results[-1]['peak_allocated_gib']:.2f} GiB",
+            flush=True,
+        )
     report = {"environment": environment(), "workload": asdict(workload), "results": results}
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)

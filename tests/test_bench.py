@@ -32,3 +32,16 @@ def test_ablation_systems_resolve_and_unknown_names_are_named():
     resolve_system("sloth_kernels_without_rope")
     with pytest.raises(SystemExit, match="unknown system 'fast'"):
         resolve_system("fast")
+
+
+def test_budget_systems_parse_their_size_and_reject_bad_ones():
+    resolve_system("sloth_kernels_offload_budget_4gib")
+    resolve_system("sloth_kernels_offload_budget_0.5gib")
+    resolve_system("sloth_kernels_planned")
+    for bad in (
+        "sloth_kernels_offload_budget_gib",
+        "sloth_kernels_offload_budget_-1gib",
+        "sloth_kernels_without_x",
+    ):
+        with pytest.raises(SystemExit, match="unknown system"):
+            resolve_system(bad)
