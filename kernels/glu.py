@@ -67,9 +67,13 @@ def _glu_backward_kernel(
     stride_grad,
     stride_gate,
     stride_up,
+    stride_grad_gate,
+    stride_grad_up,
     ACTIVATION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Each value is read before it is written and by the same program, so GRAD_GATE/GRAD_UP may be
+    # GATE/UP themselves (the in-place backward).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -77,8 +81,10 @@ def _glu_backward_kernel(
     g = tl.load(GATE + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     act, dact = _activation_and_derivative(g, ACTIVATION)
-    tl.store(GRAD_GATE + row * n_cols + cols, (dy * u * dact).to(GRAD_GATE.dtype.element_ty), mask=mask)
-    tl.store(GRAD_UP + row * n_cols + cols, (dy * act).to(GRAD_UP.dtype.element_ty), mask=mask)
+    grad_gate = (dy * u * dact).to(GRAD_GATE.dtype.element_ty)
+    grad_up = (dy * act).to(GRAD_UP.dtype.element_ty)
+    tl.store(GRAD_GATE + row * stride_grad_gate + cols, grad_gate, mask=mask)
+    tl.store(GRAD_UP + row * stride_grad_up + cols, grad_up, mask=mask)
 
 
 def _grid(rows: torch.Tensor) -> tuple[int, int]:
@@ -115,7 +121,7 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
 
 
 def glu_backward(
-    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`glu_forward`, recomputing the activation.
 
@@ -124,25 +130,36 @@ def glu_backward(
         gate: The forward's gate.
         up: The forward's up.
         activation: ``"silu"`` or ``"gelu_tanh"``.
+        in_place: Write ``grad_gate`` into gate's memory and ``grad_up`` into up's (no new buffers)
+            where both can be viewed as rows without a copy; otherwise new tensors are returned.
 
     Returns:
-        ``grad_gate`` and ``grad_up``, contiguous, in the dtypes of gate and up.
+        ``grad_gate`` and ``grad_up`` in the dtypes of gate and up: gate and up themselves, now
+        holding the gradients, when written in place; otherwise new contiguous tensors.
     """
     grad_rows, gate_rows, up_rows = rows_view(grad_out), rows_view(gate), rows_view(up)
-    grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    viewed = gate_rows.data_ptr() == gate.data_ptr() and up_rows.data_ptr() == up.data_ptr()
+    if in_place and viewed and gate.numel() > 0:
+        grad_gate, grad_up = gate, up
+        grad_gate_rows, grad_up_rows = gate_rows, up_rows
+    else:
+        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        grad_gate_rows, grad_up_rows = rows_view(grad_gate), rows_view(grad_up)
     if gate_rows.numel() == 0:
         return grad_gate, grad_up
     launchable(_glu_backward_kernel)[_grid(gate_rows)](
         grad_rows,
         gate_rows,
         up_rows,
-        grad_gate,
-        grad_up,
+        grad_gate_rows,
+        grad_up_rows,
         gate_rows.shape[1],
         grad_rows.stride(0),
         gate_rows.stride(0),
         up_rows.stride(0),
+        grad_gate_rows.stride(0),
+        grad_up_rows.stride(0),
         ACTIVATION=ACTIVATIONS[activation],
         BLOCK=_BLOCK,
     )

@@ -50,6 +50,42 @@ def test_forward_and_backward_match_float64(name, layout):
     torch.testing.assert_close(tuple(g.double() for g in grads), grads64, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", GLUS)
+@pytest.mark.parametrize("layout", ["separate", "fused", "transposed"])
+def test_inplace_backward_gives_the_same_gradients_in_the_inputs_memory(name, layout):
+    glu = GLUS[name][0]
+    leaf_gate, leaf_up = (t.requires_grad_() for t in _gate_up((3, 37, 123), layout))
+    grad_out = torch.randn(3, 37, 123)
+    expected = torch.autograd.grad(glu(leaf_gate * 1, leaf_up * 1), (leaf_gate, leaf_up), grad_out)
+
+    seen = {}
+
+    def keep(name):
+        def hook(grad):
+            seen[name] = grad.data_ptr()
+
+        return hook
+
+    gate, up = leaf_gate * 1, leaf_up * 1  # fresh intermediates, as a projection's outputs are
+    gate.register_hook(keep("gate")), up.register_hook(keep("up"))
+    gate_ptr, up_ptr = gate.data_ptr(), up.data_ptr()
+    got = torch.autograd.grad(glu(gate, up, inplace_backward=True), (leaf_gate, leaf_up), grad_out)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # The gradients of gate and up were written where gate and up were: no new buffers.
+    assert seen == {"gate": gate_ptr, "up": up_ptr}
+
+
+@pytest.mark.parametrize("name", GLUS)
+def test_inplace_backward_op_checks(name):
+    inplace_op = getattr(torch.ops.sloth, f"{name}_backward_")
+    gate, up = _gate_up((5, 33), "separate")
+    torch.library.opcheck(inplace_op.default, (torch.randn(5, 33), gate, up))
+    gate, up = _gate_up((5, 33), "separate")
+    expected = glu_backward_reference(torch.ones(5, 33), gate, up, GLUS[name][2])
+    inplace_op(torch.ones(5, 33), gate, up)
+    torch.testing.assert_close((gate, up), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_llama_mlp_matches_exactly(dtype):
     from transformers import LlamaConfig
@@ -147,6 +183,11 @@ def test_kernels_interpreted(dtype, name, shape, layout):
     grad_out = torch.randn(shape, dtype=dtype)
     expected = glu_backward_reference(grad_out, gate, up, activation)
     torch.testing.assert_close(glu_backward(grad_out, gate, up, activation), expected, **tolerance)
+    # In place: written into gate and up where they can be viewed as rows, new tensors otherwise.
+    gate_ptr = gate.data_ptr()
+    grad_gate, grad_up = glu_backward(grad_out, gate, up, activation, in_place=True)
+    torch.testing.assert_close((grad_gate, grad_up), expected, **tolerance)
+    assert (grad_gate is gate and gate.data_ptr() == gate_ptr) == (layout == "fused")
 
 
 @launcher_only

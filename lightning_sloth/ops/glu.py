@@ -71,10 +71,10 @@ def glu_backward_reference(
     return grad_gate.to(gate.dtype).contiguous(), grad_up.to(up.dtype).contiguous()
 
 
-def _register(name: str, activation: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Register ``sloth::<name>`` and ``sloth::<name>_backward`` for one activation."""
+def _register(name: str, activation: str) -> Callable[..., torch.Tensor]:
+    """Register ``sloth::<name>``, ``sloth::<name>_backward`` and ``sloth::<name>_backward_`` (in place)."""
 
-    def forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
         if use_triton(gate):
             return _kernels.glu_forward(gate, up, activation)
         return glu_reference(gate, up, activation)
@@ -86,22 +86,40 @@ def _register(name: str, activation: str) -> Callable[[torch.Tensor, torch.Tenso
             return _kernels.glu_backward(grad_out, gate, up, activation)
         return glu_backward_reference(grad_out, gate, up, activation)
 
+    def backward_inplace(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+        if use_triton(gate):
+            grad_gate, grad_up = _kernels.glu_backward(grad_out, gate, up, activation, in_place=True)
+        else:
+            grad_gate, grad_up = glu_backward_reference(grad_out, gate, up, activation)
+        if grad_gate is not gate:  # the reference, or rows the kernel could not write in place
+            gate.copy_(grad_gate)
+            up.copy_(grad_up)
+
     forward_op = sloth_op(name)(forward)
     backward_op = sloth_op(f"{name}_backward")(backward)
-    forward_op.register_fake(lambda gate, up: gate.new_empty(gate.shape))
+    inplace_op = sloth_op(f"{name}_backward_", mutates_args=("gate", "up"))(backward_inplace)
+    forward_op.register_fake(lambda gate, up, inplace_backward=False: gate.new_empty(gate.shape))
     backward_op.register_fake(lambda grad_out, gate, up: (gate.new_empty(gate.shape), up.new_empty(up.shape)))
+    inplace_op.register_fake(lambda grad_out, gate, up: None)
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.inplace_backward = len(inputs) > 2 and bool(inputs[2])
 
     def autograd_backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        return backward_op(grad_out, gate, up)
+        if ctx.inplace_backward:
+            inplace_op(grad_out, gate, up)
+            return gate, up, None
+        return (*backward_op(grad_out, gate, up), None)
 
     forward_op.register_autograd(autograd_backward, setup_context=setup_context)
     forward_flops, backward_flops = _FLOPS_PER_VALUE[activation]
-    register_flops(forward_op, lambda gate, up, out_shape=None: forward_flops * math.prod(gate))
+    register_flops(
+        forward_op, lambda gate, up, inplace_backward=False, out_shape=None: forward_flops * math.prod(gate)
+    )
     register_flops(backward_op, lambda grad_out, gate, up, out_shape=None: backward_flops * math.prod(gate))
+    register_flops(inplace_op, lambda grad_out, gate, up, out_shape=None: backward_flops * math.prod(gate))
     return forward_op
 
 
@@ -118,12 +136,14 @@ def _check(name: str, gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"{name}: gate is on {gate.device} but up is on {up.device}")
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``silu(gate) * up``, the activation of Llama-style gated MLPs.
 
     Args:
         gate: ``[..., I]`` float16/bfloat16/float32, any strides (e.g. half of a fused gate-up output).
         up: Same shape and dtype as gate.
+        inplace_backward: The backward overwrites gate and up with their gradients (saves two
+            ``[..., I]`` buffers). Only when gate and up are used by nothing else afterwards.
 
     Returns:
         Contiguous ``[..., I]`` in the inputs' dtype.
@@ -132,15 +152,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ValueError: On mismatched shapes, dtypes or devices.
     """
     _check("swiglu", gate, up)
-    return _swiglu(gate, up)
+    return _swiglu(gate, up, inplace_backward)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``gelu_tanh(gate) * up``, Gemma's gated MLP activation (``gelu_pytorch_tanh``).
 
     Args:
         gate: ``[..., I]`` float16/bfloat16/float32, any strides.
         up: Same shape and dtype as gate.
+        inplace_backward: The backward overwrites gate and up with their gradients (saves two
+            ``[..., I]`` buffers). Only when gate and up are used by nothing else afterwards.
 
     Returns:
         Contiguous ``[..., I]`` in the inputs' dtype.
@@ -149,4 +171,4 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ValueError: On mismatched shapes, dtypes or devices.
     """
     _check("geglu", gate, up)
-    return _geglu(gate, up)
+    return _geglu(gate, up, inplace_backward)

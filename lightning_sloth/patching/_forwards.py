@@ -108,14 +108,19 @@ def rms_norm_forward(style: NormStyle) -> Callable:
 # -------------------------------------------------------------------------------------- gated MLP
 @_op_forward("glu")
 def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused activation."""
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused activation.
+
+    gate and up are fresh projection outputs read by nothing else, so the activation's backward
+    overwrites them with their gradients instead of allocating two more ``[tokens, I]`` buffers.
+    """
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 @_op_forward("glu")
 def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` with the fused activation."""
-    return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` with the fused activation (in-place backward,
+    as in :func:`swiglu_mlp_forward`)."""
+    return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 GLU_FORWARDS: dict[str, Callable] = {

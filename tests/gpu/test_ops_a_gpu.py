@@ -246,6 +246,26 @@ def test_glu_matches_float64(dtype, name, fused):
     _close(grads, grads64, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", GLUS)
+def test_glu_inplace_backward_is_exact_and_reuses_the_inputs(dtype, name):
+    glu = GLUS[name][0]
+    fused = torch.randn(2, 257, 2 * 1500, device="cuda", dtype=dtype).mul_(3).requires_grad_()
+    grad_out = torch.randn(2, 257, 1500, device="cuda", dtype=dtype)
+    expected = torch.autograd.grad(glu(*(fused * 1).chunk(2, dim=-1)), fused, grad_out)[0]
+
+    gate, up = (fused * 1).chunk(2, dim=-1)  # a fused gate-up projection output, halves viewed
+    base = gate.data_ptr()
+    seen = []
+    gate.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    got = torch.autograd.grad(glu(gate, up, inplace_backward=True), fused, grad_out)[0]
+    assert torch.equal(got, expected)
+    assert seen == [base]  # the gradient was written where gate was
+    inplace_op = getattr(torch.ops.sloth, f"{name}_backward_").default
+    gate, up = torch.randn(2, 5, 2 * 333, device="cuda", dtype=dtype).chunk(2, dim=-1)
+    torch.library.opcheck(inplace_op, (torch.randn(2, 5, 333, device="cuda", dtype=dtype), gate, up))
+
+
 @pytest.mark.parametrize("name", GLUS)
 def test_glu_opcheck_and_compile(name):
     glu, op, _ = GLUS[name]
