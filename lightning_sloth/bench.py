@@ -192,7 +192,7 @@ def _sloth(**settings) -> Callable:
         from lightning_sloth.plugins.strategy import transform_model
 
         model = build_model(workload, "sdpa", checkpointing=False)
-        transform_model(model, **settings)
+        model._sloth_report = transform_model(model, **settings)
         return model
 
     return setup
@@ -313,10 +313,31 @@ def run_system(
         "trainable_grad_norm": grad_norm,
         "timed_steps": len(times),
     }
+    result |= _memory_plan(getattr(model, "_sloth_report", None))
     del model, optimizer, loss, micro_batches
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _memory_plan(report) -> dict:
+    """The layer plan and offload counters of a sloth system, for the result record."""
+    out: dict = {}
+    layers = getattr(report, "checkpointing", None)
+    if layers is not None and layers.memory_budget is not None:
+        from lightning_sloth.offload import plan_peak_bytes
+
+        out["layer_plan"] = {mode: layers.plan.count(mode) for mode in ("keep", "recompute", "offload")}
+        out["plan_budget_gib"] = None if layers.budget_bytes is None else layers.budget_bytes / 2**30
+        if layers.activation_bytes is not None:
+            out["measured_layer_activation_mib"] = max(layers.activation_bytes) / 2**20
+            out["measured_layer_input_mib"] = max(layers.input_bytes) / 2**20
+            peak = plan_peak_bytes(layers.plan, layers.activation_bytes, layers.input_bytes)
+            out["plan_estimated_activation_gib"] = peak / 2**30
+    offloader = getattr(report, "offloader", None)
+    if offloader is not None and offloader.enabled:
+        out["offload"] = offloader.stats()
+    return out
 
 
 def run_isolated(
@@ -400,6 +421,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['system']:<34} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>7.3f} "
             f"{r['peak_allocated_gib']:>9.2f} {r['mfu']:>6.1%} {r['first_loss']:>8.3f}→{r['last_loss']:.3f}"
         )
+        if "layer_plan" in r:
+            print(
+                f"    plan {r['layer_plan']} for {r['plan_budget_gib']} GiB; measured per layer "
+                f"{r.get('measured_layer_activation_mib', float('nan')):.0f} MiB saved, "
+                f"{r.get('measured_layer_input_mib', float('nan')):.0f} MiB input; "
+                f"estimated activation peak {r.get('plan_estimated_activation_gib', float('nan')):.2f} GiB"
+            )
     return report
 
 

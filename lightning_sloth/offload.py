@@ -264,7 +264,10 @@ class _HostCopy:
             self.block = self.host = None
 
     def __del__(self) -> None:
-        # A forward whose graph is dropped without a backward still returns its blocks.
+        # A forward whose graph is dropped without a backward still returns its blocks. A fetched
+        # tensor never unpacked must not go back to the allocator while its copy still writes it.
+        if self.device_tensor is not None and self.ready is not None:
+            self.ready.synchronize()
         self.release()
 
 
@@ -441,6 +444,11 @@ class ActivationOffloader:
 
     def _fetch(self, handle: _HostCopy) -> None:
         if self._cuda:
+            # Allocated for the compute stream, written by the copy stream after everything the
+            # compute stream queued so far (so a reused block is no longer read), and read by the
+            # compute stream only after `ready`. No record_stream: the block is freed the moment
+            # the backward drops it, instead of after the copy stream's next sync point (which
+            # kept a third layer input alive at the backward's peak).
             stream = self._stream(handle.device)
             tensor = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
             stream.wait_stream(torch.cuda.current_stream(handle.device))
@@ -448,7 +456,6 @@ class ActivationOffloader:
                 tensor.copy_(handle.host, non_blocking=True)
                 handle.ready = torch.cuda.Event(enable_timing=True)
                 handle.ready.record(stream)
-            tensor.record_stream(stream)
         else:
             tensor = torch.empty_like(handle.host, device=handle.device)
             tensor.copy_(handle.host)

@@ -45,6 +45,40 @@ def test_forward_backward_match_float64(shape):
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_overwrite_input_gives_the_same_gradients_in_the_inputs_memory(layout):
+    weight, lora_a, lora_b = _weights()
+    leaf = (
+        torch.randn(N, IN, requires_grad=True)
+        if layout == "contiguous"
+        else torch.randn(IN, N).requires_grad_()
+    )
+    grad_y = torch.randn(N, OUT)
+
+    def fresh():  # a fresh intermediate, as the activation's output is
+        return leaf * 1 if layout == "contiguous" else (leaf * 1).t()
+
+    expected = torch.autograd.grad(
+        lora_linear(fresh(), weight, lora_a, lora_b, SCALE), (leaf, lora_a, lora_b), grad_y
+    )
+    x = fresh()
+    seen = []
+    x.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    y = lora_linear(x, weight, lora_a, lora_b, SCALE, overwrite_input=True)
+    got = torch.autograd.grad(y, (leaf, lora_a, lora_b), grad_y)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert seen == [x.data_ptr()]  # x's gradient was written where x was
+
+
+@pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)])
+def test_inplace_backward_opcheck(needs):
+    weight, lora_a, lora_b = _weights()
+    x = torch.randn(2, 5, IN)
+    xa = x.reshape(-1, IN) @ lora_a.detach().t()
+    args = (torch.randn(2, 5, OUT), x, xa, weight, lora_a.detach(), lora_b.detach(), SCALE, *needs)
+    torch.library.opcheck(torch.ops.sloth.lora_linear_backward_.default, args)
+
+
 def test_noncontiguous_input_and_partial_gradients():
     weight, lora_a, lora_b = _weights()
     lora_a.requires_grad_(False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from unittest import mock
 
 import _models  # tests/_models.py: tests/ is on sys.path through tests/conftest.py
 import pytest
@@ -163,6 +164,32 @@ def test_lora_matches_unpatched(model_type):
     assert (f"{biased} lora.Linear" in report.skipped.get("lora", "")) == (biased > 0)
     assert all(".lora_" not in name for name in report.modules["lora"])
     assert_same_training_step(model, reference)
+
+
+def test_mlp_backward_reuses_its_buffers_and_respects_down_proj_hooks():
+    """The patched MLP's activation and down_proj write their input gradients in place; a hook on
+    down_proj makes it a plain module call again (the hook runs, the result is the same)."""
+    model = lora(tiny_model("llama"))
+    reference = copy.deepcopy(model)
+    apply_kernels(model, KernelSettings())
+    mlp = model.get_base_model().model.layers[0].mlp
+    calls = []
+    target = "lightning_sloth.patching._forwards"
+    with (
+        mock.patch(f"{target}.swiglu", wraps=forwards.swiglu) as glu,
+        mock.patch(f"{target}.fused_lora_forward", wraps=forwards.fused_lora_forward) as fused,
+    ):
+        assert_same_training_step(model, reference)
+    assert glu.call_args_list and all(
+        call.kwargs == {"inplace_backward": True} for call in glu.call_args_list
+    )
+    assert sum(bool(call.kwargs.get("overwrite_input")) for call in fused.call_args_list) == len(
+        glu.call_args_list
+    )
+    handle = mlp.down_proj.register_forward_hook(lambda module, args, out: calls.append(module))
+    assert_same_training_step(model, reference)
+    handle.remove()
+    assert calls and all(module is mlp.down_proj for module in calls)
 
 
 def test_packed_batch_with_num_items_matches_unpatched():

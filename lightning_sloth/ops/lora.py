@@ -8,13 +8,18 @@ over ``[N, out]`` and a gradient add over ``[N, in]``. Here the scale is folded 
 ``[N, r]`` operands and the additions into ``addmm``'s epilogue::
 
     forward   xa = x A^T                               [N, r]    (saved; r is small)
-              y  = addmm(x W^T, xa, B^T, alpha=scale)  [N, out]
+              y  = x W^T;  y += scale * xa B^T         [N, out]  (one [N, out] buffer)
     backward  g  = scale * (dy B)                      [N, r]
-              dx = addmm(dy W, g, A)                   [N, in]
               dA = g^T x                               [r, in]
               dB = dy^T (scale * xa)                   [out, r]
+              dx = dy W;  dx += g A                    [N, in]   (one [N, in] buffer)
 
 Saved for the backward: ``x`` and ``xa`` (PEFT saves the same two), plus the weights.
+
+With ``overwrite_input=True`` the backward (``sloth::lora_linear_backward_``) writes ``dx`` into x's
+memory once ``dA`` is taken, instead of a new ``[N, in]`` buffer. That is only correct when nothing
+else reads x afterwards: the gated MLP's ``down_proj``, whose input is the activation's fresh output,
+is the case the patched MLP forwards use it for.
 """
 
 import math
@@ -30,17 +35,17 @@ __all__ = ["fused_lora_forward", "lora_linear"]
 
 @sloth_op("lora_linear")
 def _lora_linear_op(
-    x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float
+    x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, overwrite_input: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(y [..., out], xa [N, r])``; ``xa`` is kept for the backward."""
     rows = x.reshape(-1, x.shape[-1])
     xa = rows @ lora_a.t()
-    y = torch.addmm(rows @ weight.t(), xa, lora_b.t(), alpha=scale)
+    y = (rows @ weight.t()).addmm_(xa, lora_b.t(), alpha=scale)  # in place: no second [N, out] buffer
     return y.view(*x.shape[:-1], weight.shape[0]), xa
 
 
 @_lora_linear_op.register_fake
-def _lora_linear_fake(x, weight, lora_a, lora_b, scale):
+def _lora_linear_fake(x, weight, lora_a, lora_b, scale, overwrite_input=False):
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
     return y, x.new_empty((math.prod(x.shape[:-1]), lora_a.shape[0]))
 
@@ -62,10 +67,43 @@ def _lora_linear_backward_op(
     dy = grad_y.reshape(-1, grad_y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
     g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
-    dx = torch.addmm(dy @ weight, g, lora_a).view(x.shape) if grad_x else x.new_empty(0)
+    dx = (dy @ weight).addmm_(g, lora_a).view(x.shape) if grad_x else x.new_empty(0)
     da = g.t() @ rows if grad_a else x.new_empty(0)
     db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
     return dx, da, db
+
+
+@sloth_op("lora_linear_backward_", mutates_args=("x",))
+def _lora_linear_backward_inplace_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor]:
+    """Writes ``dx`` into x (after ``dA`` has read it); returns ``(dA, dB)``, empty where not asked for."""
+    dy = grad_y.reshape(-1, grad_y.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    g = (dy @ lora_b) * scale
+    da = g.t() @ rows if grad_a else x.new_empty(0)
+    db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    if rows.data_ptr() == x.data_ptr() and rows.is_contiguous():
+        torch.mm(dy, weight, out=rows).addmm_(g, lora_a)
+    else:  # x cannot be viewed as contiguous rows: compute apart, then copy in
+        x.copy_((dy @ weight).addmm_(g, lora_a).view(x.shape))
+    return da, db
+
+
+@_lora_linear_backward_inplace_op.register_fake
+def _lora_linear_backward_inplace_fake(grad_y, x, xa, weight, lora_a, lora_b, scale, grad_a, grad_b):
+    return (
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
 
 
 @_lora_linear_backward_op.register_fake
@@ -78,27 +116,36 @@ def _lora_linear_backward_fake(grad_y, x, xa, weight, lora_a, lora_b, scale, gra
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, lora_a, lora_b, scale = inputs
+    x, weight, lora_a, lora_b, scale = inputs[:5]
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, output[1], weight, lora_a, lora_b)
     ctx.scale = scale
+    ctx.overwrite_input = len(inputs) > 5 and bool(inputs[5])
 
 
 def _backward(ctx, grad_y, _grad_xa):
     x, xa, weight, lora_a, lora_b = ctx.saved_tensors
-    need_x, need_w, need_a, need_b, _ = ctx.needs_input_grad
+    need_x, need_w, need_a, need_b = ctx.needs_input_grad[:4]
     if need_w:
         raise RuntimeError("sloth::lora_linear treats the base weight as frozen; it has no gradient for it")
-    dx, da, db = torch.ops.sloth.lora_linear_backward(
-        grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_x, need_a, need_b
-    )
-    return dx if need_x else None, None, da if need_a else None, db if need_b else None, None
+    if ctx.overwrite_input and need_x:
+        da, db = torch.ops.sloth.lora_linear_backward_(
+            grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_a, need_b
+        )
+        dx = x
+    else:
+        dx, da, db = torch.ops.sloth.lora_linear_backward(
+            grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_x, need_a, need_b
+        )
+    return dx if need_x else None, None, da if need_a else None, db if need_b else None, None, None
 
 
 _lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _forward_flops(x_shape, weight_shape, a_shape, b_shape, scale, out_shape=None) -> int:
+def _forward_flops(
+    x_shape, weight_shape, a_shape, b_shape, scale, overwrite_input=False, out_shape=None
+) -> int:
     n_rows = math.prod(x_shape[:-1])
     out_features, in_features = weight_shape
     rank = a_shape[0]
@@ -135,9 +182,17 @@ def _backward_flops(
 
 register_flops(_lora_linear_op, _forward_flops)
 register_flops(_lora_linear_backward_op, _backward_flops)
+register_flops(
+    _lora_linear_backward_inplace_op,
+    lambda grad_y, x, xa, weight, a, b, scale, grad_a, grad_b, out_shape=None: _backward_flops(
+        grad_y, x, xa, weight, a, b, scale, True, grad_a, grad_b
+    ),
+)
 
 
-def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+def lora_linear(
+    x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, *, overwrite_input: bool = False
+) -> Tensor:
     """LoRA linear layer ``x @ weight.T + scale * (x @ lora_a.T) @ lora_b.T`` (no bias, no dropout).
 
     Args:
@@ -146,6 +201,8 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale
         lora_a: ``[r, in]`` adapter A; same dtype as x.
         lora_b: ``[out, r]`` adapter B; same dtype as x.
         scale: LoRA scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA).
+        overwrite_input: The backward writes x's gradient into x's memory (saves one ``[..., in]``
+            buffer). Only when nothing else reads x after this layer.
 
     Returns:
         ``[..., out]`` output in x's dtype. Gradients flow to x, lora_a and lora_b.
@@ -174,7 +231,7 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale
         raise ValueError(f"x, weight, lora_a and lora_b must be on one device, got {devices}")
     if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("lora_linear keeps the base weight frozen: weight must not require grad")
-    y, _ = torch.ops.sloth.lora_linear(x, weight, lora_a, lora_b, float(scale))
+    y, _ = torch.ops.sloth.lora_linear(x, weight, lora_a, lora_b, float(scale), overwrite_input)
     return y
 
 
@@ -183,7 +240,7 @@ def _plain_weight(tensor: Tensor) -> bool:
     return type(tensor) in (Tensor, nn.Parameter) and tensor.is_floating_point()
 
 
-def fused_lora_forward(module: nn.Module, x: Tensor) -> Tensor | None:
+def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = False) -> Tensor | None:
     """Forward of a PEFT ``peft.tuners.lora.Linear`` through :func:`lora_linear`, or None to fall back.
 
     Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
@@ -198,6 +255,7 @@ def fused_lora_forward(module: nn.Module, x: Tensor) -> Tensor | None:
     Args:
         module: A ``peft.tuners.lora.Linear``.
         x: ``[..., in]`` input.
+        overwrite_input: Passed to :func:`lora_linear` (x read by nothing else afterwards).
 
     Returns:
         ``[..., out]`` output, or None if the module is not in the plain case.
@@ -234,4 +292,5 @@ def fused_lora_forward(module: nn.Module, x: Tensor) -> Tensor | None:
         lora_a.weight.to(dtype),
         lora_b.weight.to(dtype),
         module.scaling[adapter],
+        overwrite_input=overwrite_input,
     )

@@ -106,21 +106,42 @@ def rms_norm_forward(style: NormStyle) -> Callable:
 
 
 # -------------------------------------------------------------------------------------- gated MLP
+def _project_fresh(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an ``x`` nothing else reads afterwards (the activation's output).
+
+    A fused LoRA layer (our forward installed, no hooks on it) then writes x's gradient into x's
+    memory in the backward; anything else is simply called.
+    """
+    hooked = (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+    if patched_op(module) == "lora" and not hooked and torch.is_grad_enabled():
+        out = fused_lora_forward(module, x, overwrite_input=True)
+        if out is not None:
+            return out
+    return module(x)
+
+
 @_op_forward("glu")
 def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused activation.
 
     gate and up are fresh projection outputs read by nothing else, so the activation's backward
-    overwrites them with their gradients instead of allocating two more ``[tokens, I]`` buffers.
+    overwrites them with their gradients instead of allocating two more ``[tokens, I]`` buffers; and
+    the activation's output is read only by ``down_proj``, whose fused LoRA backward overwrites it
+    with its gradient.
     """
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+    return _project_fresh(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 @_op_forward("glu")
 def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` with the fused activation (in-place backward,
     as in :func:`swiglu_mlp_forward`)."""
-    return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+    return _project_fresh(self.down_proj, geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 GLU_FORWARDS: dict[str, Callable] = {
