@@ -52,3 +52,13 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[1] > 1 and rows.stride(1) != 1:
         rows = rows.contiguous()
     return rows
+
+
+def rows_alias(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as ``[rows, x.shape[-1]]`` sharing its memory with unit column stride, or None if that
+    needs a copy. Decided from sizes and strides alone, so it also works on fake tensors (tracing)."""
+    try:
+        rows = x.view(-1, x.shape[-1])
+    except RuntimeError:  # the leading dimensions cannot be merged without a copy
+        return None
+    return rows if rows.shape[1] <= 1 or rows.stride(1) == 1 else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lightning_sloth.kernels._utils import launchable, rows_view
+from lightning_sloth.kernels._utils import launchable, rows_alias, rows_view
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _SILU = tl.constexpr(ACTIVATIONS["silu"])
@@ -138,7 +138,7 @@ def glu_backward(
         holding the gradients, when written in place; otherwise new contiguous tensors.
     """
     grad_rows, gate_rows, up_rows = rows_view(grad_out), rows_view(gate), rows_view(up)
-    viewed = gate_rows.data_ptr() == gate.data_ptr() and up_rows.data_ptr() == up.data_ptr()
+    viewed = rows_alias(gate) is not None and rows_alias(up) is not None
     if in_place and viewed and gate.numel() > 0:
         grad_gate, grad_up = gate, up
         grad_gate_rows, grad_up_rows = gate_rows, up_rows

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections import deque
@@ -60,6 +59,8 @@ OffloadPolicy = Literal["auto", "on", "off"]
 _MIN_BLOCK_BYTES = 1 << 20
 # At most this many device-to-host copies in flight: a forward that outruns the copy engine
 # would otherwise hold every copied input (record_stream delays reuse until its copy ends).
+# The throttle is a wait of the compute stream on the oldest copy, not of the host: the host
+# keeps queueing work ahead of the GPU, and the GPU only stalls if the copies really fall behind.
 _MAX_INFLIGHT_COPIES = 2
 # Auto double buffering needs room for the prefetched input plus the activations the current
 # layer recomputes; without a measurement, assume a decoder layer saves 16x its input.
@@ -325,7 +326,7 @@ class ActivationOffloader:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: list[weakref.ref[_HostCopy]] = []  # offloaded, not yet fetched; pack order
         self._prefetched: weakref.ref[_HostCopy] | None = None
-        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
         self._copies: deque[torch.cuda.Event] = deque()
         self._in_backward = True
         self._counters = dict.fromkeys(_COUNTERS, 0.0)
@@ -395,9 +396,11 @@ class ActivationOffloader:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
                 host.copy_(tensor, non_blocking=True)
-                self._copies.append(stream.record_event())
+                copied = torch.cuda.Event(enable_timing=True)
+                copied.record(stream)
+                self._copies.append(copied)
             tensor.record_stream(stream)
-            self._throttle()
+            self._throttle(tensor.device)
         else:
             host.copy_(tensor)
         handle = _HostCopy(self.pool, block, host, tensor.device)
@@ -406,13 +409,18 @@ class ActivationOffloader:
         self._counters["offloaded_bytes"] += nbytes
         return handle
 
-    def _throttle(self) -> None:
+    def _throttle(self, device: torch.device) -> None:
         while len(self._copies) > _MAX_INFLIGHT_COPIES:
-            copied = self._copies.popleft()
-            if not copied.query():
-                start = time.perf_counter()
-                copied.synchronize()
-                self._counters["forward_wait_ms"] += 1e3 * (time.perf_counter() - start)
+            self._stream_wait(device, self._copies.popleft(), "forward_wait_ms")
+
+    def _stream_wait(self, device: torch.device, ready: torch.cuda.Event, counter: str) -> None:
+        """Make the compute stream wait for ``ready``; the stall is timed (folded in later, no sync)."""
+        compute = torch.cuda.current_stream(device)
+        waited = torch.cuda.Event(enable_timing=True)
+        waited.record(compute)
+        compute.wait_event(ready)
+        self._waits.append((waited, ready, counter))
+        self._fold_waits()
 
     # ---- backward
     def _unpack(self, packed: _Kept | _HostCopy) -> Tensor:
@@ -432,12 +440,7 @@ class ActivationOffloader:
             self._counters["prefetched"] += 1
         tensor, packed.device_tensor = packed.device_tensor, None
         if self._cuda:
-            compute = torch.cuda.current_stream(tensor.device)
-            waited = torch.cuda.Event(enable_timing=True)
-            waited.record(compute)
-            compute.wait_event(packed.ready)
-            self._waits.append((waited, packed.ready))
-            self._fold_waits()
+            self._stream_wait(tensor.device, packed.ready, "backward_wait_ms")
         packed.release()
         self._prefetch_next()
         return tensor
@@ -492,11 +495,11 @@ class ActivationOffloader:
 
     def _fold_waits(self) -> None:
         pending = []
-        for waited, ready in self._waits:
+        for waited, ready, counter in self._waits:
             if waited.query() and ready.query():
-                self._counters["backward_wait_ms"] += max(0.0, waited.elapsed_time(ready))
+                self._counters[counter] += max(0.0, waited.elapsed_time(ready))
             else:
-                pending.append((waited, ready))
+                pending.append((waited, ready, counter))
         self._waits = pending
 
     # ---- statistics
@@ -506,8 +509,8 @@ class ActivationOffloader:
         Keys: ``enabled``, ``steps`` (forward passes seen), ``offloaded_bytes_per_step``,
         ``kept_on_device_bytes_per_step`` (eligible but the pool was at its cap),
         ``backward_wait_ms_per_step`` (time the compute stream waited on host-to-device copies;
-        copies still in flight are counted at the next call), ``forward_wait_ms_per_step`` (host
-        time the forward waited for device-to-host copies to drain), ``prefetched``,
+        copies still in flight are counted at the next call), ``forward_wait_ms_per_step`` (time the
+        compute stream waited in the forward for device-to-host copies to drain, likewise), ``prefetched``,
         ``fetched_on_demand``, ``prefetch_skipped`` (prefetch attempts declined by the auto policy
         for lack of free memory; one layer may be declined more than once),
         ``host_pool_bytes``, ``host_pool_in_use_bytes``, ``host_pool_allocations``

@@ -91,7 +91,7 @@ def _lora_linear_backward_inplace_op(
     g = (dy @ lora_b) * scale
     da = g.t() @ rows if grad_a else x.new_empty(0)
     db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
-    if rows.data_ptr() == x.data_ptr() and rows.is_contiguous():
+    if x.is_contiguous():  # rows is then a view of x
         torch.mm(dy, weight, out=rows).addmm_(g, lora_a)
     else:  # x cannot be viewed as contiguous rows: compute apart, then copy in
         x.copy_((dy @ weight).addmm_(g, lora_a).view(x.shape))
