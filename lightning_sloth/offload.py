@@ -685,7 +685,10 @@ class CheckpointedLayers:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in shared:
                 saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
+            # Detached: a saved *output* of a node packed as itself would reference its own
+            # grad_fn, a cycle in C++ that no collector breaks: the measuring forward's whole graph
+            # (every layer's activations) would stay alive for the rest of the run.
+            return tensor.detach()
 
         device = next((t.device for t in _tensors(args)), torch.device("cpu"))
         rng_devices = [device] if device.type == "cuda" else []
