@@ -17,6 +17,8 @@ Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
     sloth_kernels_offload  + activation offload (``offload="on"``).
     sloth_kernels_planned  + offload "auto" and ``memory_budget="auto"``: the per-layer
                            keep/recompute/offload plan for what the device has free.
+    sloth_kernels_no_checkpointing
+                           kernels without gradient checkpointing (every activation kept).
     sloth_kernels_offload_budget_<N>gib
                            + offload "on" and a memory plan for ``N`` GiB of layer activations.
     sloth_kernels_without_<op>
@@ -206,6 +208,7 @@ SYSTEMS: dict[str, tuple[Callable, Callable]] = {
     "sloth_kernels_compile": (_sloth(kernels=True, compile=True), _packed_batches),
     "sloth_kernels_offload": (_sloth(kernels=True, offload="on"), _packed_batches),
     "sloth_kernels_planned": (_sloth(kernels=True, offload="auto", memory_budget="auto"), _packed_batches),
+    "sloth_kernels_no_checkpointing": (_sloth(kernels=True, gradient_checkpointing=False), _packed_batches),
 }
 
 
@@ -403,20 +406,28 @@ def main(argv: list[str] | None = None) -> dict:
     run = run_system if args.same_process else run_isolated
     results = []
     for name in systems:
-        results.append(
-            run(
-                name, workload, samples, args.peak_tflops * 1e12, profile_to if name == args.profile else None
+        profile = profile_to if name == args.profile else None
+        try:
+            result = run(name, workload, samples, args.peak_tflops * 1e12, profile)
+        except Exception as err:  # an out-of-memory system is a result, not the end of the run
+            if "out of memory" not in str(err).lower():
+                raise
+            result = {"system": name, "oom": True, "error": str(err).splitlines()[0][:300]}
+            print(f"{name}: out of memory", flush=True)
+        else:
+            print(
+                f"{name}: {result['tokens_per_s']:.0f} tok/s, {result['peak_allocated_gib']:.2f} GiB",
+                flush=True,
             )
-        )
-        print(
-            f"{name}: {results[-1]['tokens_per_s']:.0f} tok/s, {results[-1]['peak_allocated_gib']:.2f} GiB",
-            flush=True,
-        )
+        results.append(result)
     report = {"environment": environment(), "workload": asdict(workload), "results": results}
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"{'system':<34} {'tok/s':>9} {'step s':>7} {'peak GiB':>9} {'MFU':>6} {'loss first→last':>18}")
     for r in results:
+        if r.get("oom"):
+            print(f"{r['system']:<34} {'OOM':>9}")
+            continue
         print(
             f"{r['system']:<34} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>7.3f} "
             f"{r['peak_allocated_gib']:>9.2f} {r['mfu']:>6.1%} {r['first_loss']:>8.3f}→{r['last_loss']:.3f}"
