@@ -45,3 +45,20 @@ def test_budget_systems_parse_their_size_and_reject_bad_ones():
     ):
         with pytest.raises(SystemExit, match="unknown system"):
             resolve_system(bad)
+
+
+def test_gpu_busy_time_is_the_union_of_kernel_intervals():
+    from types import SimpleNamespace
+
+    from lightning_sloth.bench import gpu_busy_ms
+
+    def event(start, end, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event(0, 1000),
+        event(500, 1500),
+        event(3000, 3500),
+        event(0, 9000, torch.autograd.DeviceType.CPU),
+    ]
+    assert gpu_busy_ms(events) == 2.0
