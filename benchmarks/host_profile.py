@@ -1,0 +1,99 @@
+"""Where the host's time goes in a training step: cProfile of a few steps of one bench system.
+
+A step whose GPU idles between kernels is bound by the host (Python dispatch, autograd, launches).
+This runs a ``lightning_sloth.bench`` system, then profiles ``--steps`` steps with ``cProfile`` and
+prints the functions with the most own time, the number of device synchronizations the step
+triggers (``torch.cuda.set_sync_debug_mode("warn")``) and the host time per step without the
+profiler::
+
+    python benchmarks/host_profile.py --system sloth_kernels_offload --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+import warnings
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+
+    from lightning_sloth.bench import SHAPES, Workload, environment, resolve_system
+
+    parser = argparse.ArgumentParser(description="host-side profile of one training step (CUDA)")
+    parser.add_argument("--system", default="sloth_kernels")
+    parser.add_argument("--shape", default="llama_3_2_1b", choices=sorted(SHAPES))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    workload = Workload(shape=args.shape, warmup_steps=3, timed_steps=2 * args.steps + 1)
+    samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
+    setup, batches = resolve_system(args.system)
+    model = setup(workload).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    steps = iter(batches(workload, samples, 0))
+
+    def step() -> tuple[float, float]:
+        micro_batches, *_rest, targets = next(steps)
+        micro_batches = [
+            {k: v.cuda() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro_batches
+        ]
+        num_items = torch.tensor(targets, device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for inputs in micro_batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**inputs, num_items_in_batch=num_items).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return host, time.perf_counter() - start
+
+    for _ in range(workload.warmup_steps):
+        step()
+    timings = [step() for _ in range(args.steps)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        step()
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+    report = {
+        "environment": environment(),
+        "system": args.system,
+        "host_enqueue_ms": [1e3 * h for h, _ in timings],
+        "step_ms": [1e3 * s for _, s in timings],
+        "synchronizations": len(syncs),
+        "synchronization_messages": sorted(set(syncs))[:10],
+        "profile": text.getvalue(),
+    }
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=2)
+    print(
+        f"{args.system}: host enqueue {sum(report['host_enqueue_ms']) / args.steps:.1f} ms of "
+        f"{sum(report['step_ms']) / args.steps:.1f} ms per step; {len(syncs)} device syncs in a step"
+    )
+    for message in report["synchronization_messages"]:
+        print("  sync:", message)
+    print("\n".join(text.getvalue().splitlines()[: args.top + 12]))
+    return report
+
+
+if __name__ == "__main__":
+    main()
