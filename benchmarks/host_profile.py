@@ -17,6 +17,7 @@ import io
 import json
 import pstats
 import time
+import traceback
 import warnings
 
 
@@ -61,26 +62,37 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(workload.warmup_steps):
         step()
     timings = [step() for _ in range(args.steps)]
-    with warnings.catch_warnings(record=True) as caught:
+    syncs: list[str] = []
+
+    def record(message, *_args, **_kwargs) -> None:  # called inside the synchronizing call
+        if "called a synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+            syncs.append(
+                " < ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in frames[::-1][:6])
+            )
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         step()
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
         step()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(args.top)
+    stats.print_callees(1)  # what the function with the most own time calls
     report = {
         "environment": environment(),
         "system": args.system,
         "host_enqueue_ms": [1e3 * h for h, _ in timings],
         "step_ms": [1e3 * s for _, s in timings],
         "synchronizations": len(syncs),
-        "synchronization_messages": sorted(set(syncs))[:10],
+        "synchronization_sites": syncs,
         "profile": text.getvalue(),
     }
     with open(args.out, "w") as fh:
@@ -89,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.system}: host enqueue {sum(report['host_enqueue_ms']) / args.steps:.1f} ms of "
         f"{sum(report['step_ms']) / args.steps:.1f} ms per step; {len(syncs)} device syncs in a step"
     )
-    for message in report["synchronization_messages"]:
-        print("  sync:", message)
+    for site in syncs:
+        print("  sync at:", site)
     print("\n".join(text.getvalue().splitlines()[: args.top + 12]))
     return report
 
