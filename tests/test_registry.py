@@ -62,3 +62,30 @@ def test_opcheck_compile_and_flops():
         _scale(x, 3.0).sum().backward()
     assert counter.get_flop_counts()["Global"][torch.ops.sloth.registry_test_scale] == 2 * 35
     torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+
+
+def test_eager_calls_skip_the_library_path_and_match_it_exactly():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_sloth.ops._registry import call
+    from lightning_sloth.ops.rms_norm import _rms_norm, rms_norm
+
+    x = torch.randn(5, 24, requires_grad=True)
+    weight = torch.randn(24, requires_grad=True)
+    grad = torch.randn(5, 24)
+
+    fast = rms_norm(x, weight, 1e-6)
+    assert "eager" in type(fast.grad_fn).__name__  # the autograd.Function, not the library's wrapper
+    fast_grads = torch.autograd.grad(fast, (x, weight), grad)
+    library = _rms_norm(x, weight, 1e-6, 0.0)[0]
+    assert "eager" not in type(library.grad_fn).__name__
+    library_grads = torch.autograd.grad(library, (x, weight), grad)
+    assert torch.equal(fast, library)
+    assert all(torch.equal(a, b) for a, b in zip(fast_grads, library_grads))
+
+    # Anything that intercepts ops sees the op itself: FLOP counting, compile, fake tensors.
+    with FlopCounterMode(display=False) as counter:
+        call(_rms_norm, x, weight, 1e-6, 0.0)[0].sum().backward()
+    assert counter.get_flop_counts()["Global"][torch.ops.sloth.rms_norm] > 0
+    compiled = torch.compile(lambda a, b: rms_norm(a, b, 1e-6), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, weight), fast)

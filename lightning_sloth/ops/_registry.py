@@ -31,7 +31,7 @@ import torch
 from torch._library.custom_ops import CustomOpDef
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["NAMESPACE", "TRITON_OPS", "register_flops", "sloth_op", "use_triton"]
+__all__ = ["NAMESPACE", "TRITON_OPS", "call", "register_autograd", "register_flops", "sloth_op", "use_triton"]
 
 NAMESPACE = "sloth"
 
@@ -79,10 +79,64 @@ def sloth_op(
 
     def decorate(fn: Callable[..., object]) -> CustomOpDef:
         if TRITON_OPS:
-            return torch.library.triton_op(qualname, fn, mutates_args=mutates)
-        return torch.library.custom_op(qualname, fn, mutates_args=mutates)
+            op = torch.library.triton_op(qualname, fn, mutates_args=mutates)
+        else:
+            op = torch.library.custom_op(qualname, fn, mutates_args=mutates)
+        _EAGER[qualname] = fn
+        return op
 
     return decorate
+
+
+_EAGER: dict[str, Callable[..., object]] = {}
+"""Per op: what an eager call runs directly (the body, or an autograd.Function around it)."""
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callable) -> None:
+    """``op.register_autograd(backward, setup_context=...)``, plus the same formula for :func:`call`.
+
+    The eager path is a ``torch.autograd.Function`` with the op's body as its forward and the very
+    ``setup_context``/``backward`` registered on the op, so both paths compute the same thing.
+    """
+    op.register_autograd(backward, setup_context=setup_context)
+    body = _EAGER[op._qualname]
+
+    def forward(*args):
+        return body(*args)
+
+    def eager_setup_context(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+
+    def eager_backward(ctx, *grads):
+        return backward(ctx, *grads)
+
+    # Named after the op, so its autograd node reads e.g. ``rms_norm_eagerBackward``.
+    name = f"{op._qualname.split('::')[1]}_eager"
+    methods = {"forward": forward, "setup_context": eager_setup_context, "backward": eager_backward}
+    _Eager = type(name, (torch.autograd.Function,), {k: staticmethod(v) for k, v in methods.items()})
+    _EAGER[op._qualname] = _Eager.apply
+
+
+def call(op: CustomOpDef, *args: object) -> object:
+    """Call ``op`` with positional ``args``: through ``torch.library`` when anything may trace or
+    intercept it, otherwise straight to its body (or its autograd.Function).
+
+    The library path (autograd wrapper, redispatch, alias checks, the Dynamo-disabled body) costs
+    a few hundred microseconds of host time per call, which in eager training is paid by every op
+    of every layer and leaves the GPU waiting. It is what ``torch.compile``, ``torch.export``,
+    fake tensors, functorch transforms and dispatch modes (``FlopCounterMode``, and so Lightning's
+    FLOP counting) need, so any of those takes it; plain eager calls on plain tensors do not.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._are_functorch_transforms_active()
+        or any(type(a) not in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
+    ):
+        return op(*args)
+    return _EAGER[op._qualname](*args)
 
 
 def register_flops(op: CustomOpDef, formula: Callable[..., int]) -> None:

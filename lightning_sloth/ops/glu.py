@@ -12,7 +12,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lightning_sloth.ops._registry import TRITON_OPS, register_flops, sloth_op, use_triton
+from lightning_sloth.ops._registry import (
+    TRITON_OPS,
+    call,
+    register_autograd,
+    register_flops,
+    sloth_op,
+    use_triton,
+)
 
 if TRITON_OPS:
     from lightning_sloth.kernels import glu as _kernels
@@ -109,11 +116,11 @@ def _register(name: str, activation: str) -> Callable[..., torch.Tensor]:
     def autograd_backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
         if ctx.inplace_backward:
-            inplace_op(grad_out, gate, up)
+            call(inplace_op, grad_out, gate, up)
             return gate, up, None
-        return (*backward_op(grad_out, gate, up), None)
+        return (*call(backward_op, grad_out, gate, up), None)
 
-    forward_op.register_autograd(autograd_backward, setup_context=setup_context)
+    register_autograd(forward_op, autograd_backward, setup_context)
     forward_flops, backward_flops = _FLOPS_PER_VALUE[activation]
     register_flops(
         forward_op, lambda gate, up, inplace_backward=False, out_shape=None: forward_flops * math.prod(gate)
@@ -152,7 +159,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
         ValueError: On mismatched shapes, dtypes or devices.
     """
     _check("swiglu", gate, up)
-    return _swiglu(gate, up, inplace_backward)
+    return call(_swiglu, gate, up, inplace_backward)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
@@ -171,4 +178,4 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fals
         ValueError: On mismatched shapes, dtypes or devices.
     """
     _check("geglu", gate, up)
-    return _geglu(gate, up, inplace_backward)
+    return call(_geglu, gate, up, inplace_backward)

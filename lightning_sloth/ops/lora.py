@@ -28,7 +28,7 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from lightning_sloth.ops._registry import register_flops, sloth_op
+from lightning_sloth.ops._registry import call, register_autograd, register_flops, sloth_op
 
 __all__ = ["fused_lora_forward", "lora_linear"]
 
@@ -129,18 +129,18 @@ def _backward(ctx, grad_y, _grad_xa):
     if need_w:
         raise RuntimeError("sloth::lora_linear treats the base weight as frozen; it has no gradient for it")
     if ctx.overwrite_input and need_x:
-        da, db = torch.ops.sloth.lora_linear_backward_(
-            grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_a, need_b
+        da, db = call(
+            _lora_linear_backward_inplace_op, grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_a, need_b
         )
         dx = x
     else:
-        dx, da, db = torch.ops.sloth.lora_linear_backward(
-            grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_x, need_a, need_b
+        dx, da, db = call(
+            _lora_linear_backward_op, grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_x, need_a, need_b
         )
     return dx if need_x else None, None, da if need_a else None, db if need_b else None, None, None
 
 
-_lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_lora_linear_op, _backward, _setup_context)
 
 
 def _forward_flops(
@@ -231,7 +231,7 @@ def lora_linear(
         raise ValueError(f"x, weight, lora_a and lora_b must be on one device, got {devices}")
     if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("lora_linear keeps the base weight frozen: weight must not require grad")
-    y, _ = torch.ops.sloth.lora_linear(x, weight, lora_a, lora_b, float(scale), overwrite_input)
+    y, _ = call(_lora_linear_op, x, weight, lora_a, lora_b, float(scale), overwrite_input)
     return y
 
 

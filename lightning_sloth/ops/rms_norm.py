@@ -14,7 +14,14 @@ import math
 
 import torch
 
-from lightning_sloth.ops._registry import TRITON_OPS, register_flops, sloth_op, use_triton
+from lightning_sloth.ops._registry import (
+    TRITON_OPS,
+    call,
+    register_autograd,
+    register_flops,
+    sloth_op,
+    use_triton,
+)
 
 if TRITON_OPS:
     from lightning_sloth.kernels import rms_norm as _kernels
@@ -115,11 +122,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
-    grad_x, grad_weight = _rms_norm_backward(grad_y, x, weight, rstd, ctx.offset)
+    grad_x, grad_weight = call(_rms_norm_backward, grad_y, x, weight, rstd, ctx.offset)
     return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None, None
 
 
-_rms_norm.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_rms_norm, _backward, _setup_context)
 register_flops(_rms_norm, lambda x, *_, out_shape=None: _FORWARD_FLOPS_PER_VALUE * math.prod(x))
 register_flops(
     _rms_norm_backward, lambda grad_y, *_, out_shape=None: _BACKWARD_FLOPS_PER_VALUE * math.prod(grad_y)
@@ -151,4 +158,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
         raise ValueError(f"rms_norm: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
     if x.device != weight.device:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
-    return _rms_norm(x, weight, float(eps), float(offset))[0]
+    return call(_rms_norm, x, weight, float(eps), float(offset))[0]

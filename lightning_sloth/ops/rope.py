@@ -11,7 +11,14 @@ is supported: they only change how that module computes cos/sin. cos/sin receive
 
 import torch
 
-from lightning_sloth.ops._registry import TRITON_OPS, register_flops, sloth_op, use_triton
+from lightning_sloth.ops._registry import (
+    TRITON_OPS,
+    call,
+    register_autograd,
+    register_flops,
+    sloth_op,
+    use_triton,
+)
 
 if TRITON_OPS:
     from lightning_sloth.kernels import rope as _kernels
@@ -105,7 +112,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_q, grad_k):
     cos, sin = ctx.saved_tensors
-    grad_q, grad_k = _rope_backward(_unit_last_stride(grad_q), _unit_last_stride(grad_k), cos, sin)
+    grad_q, grad_k = call(_rope_backward, _unit_last_stride(grad_q), _unit_last_stride(grad_k), cos, sin)
     return grad_q, grad_k, None, None
 
 
@@ -114,7 +121,7 @@ def _flops(q, k, cos, *_, out_shape=None) -> int:
     return _FLOPS_PER_ROTATED_VALUE * batch * seq_len * cos[-1] * (n_q_heads + k[1])
 
 
-_rope.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_rope, _backward, _setup_context)
 register_flops(_rope, _flops)
 register_flops(_rope_backward, _flops)
 
@@ -171,4 +178,4 @@ def apply_rope(
         )
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("apply_rope: cos/sin require grad, but the op gives them none; pass them detached")
-    return _rope(*(_unit_last_stride(t) for t in (q, k, cos, sin)))
+    return call(_rope, *(_unit_last_stride(t) for t in (q, k, cos, sin)))
