@@ -24,7 +24,15 @@ import warnings
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from lightning_sloth.bench import SHAPES, Workload, environment, resolve_system
+    from lightning_sloth.bench import (
+        SHAPES,
+        Workload,
+        environment,
+        forward_backward,
+        make_optimizer,
+        resolve_system,
+        stage_batch,
+    )
 
     parser = argparse.ArgumentParser(description="host-side profile of one training step (CUDA)")
     parser.add_argument("--system", default="sloth_kernels")
@@ -38,21 +46,15 @@ def main(argv: list[str] | None = None) -> dict:
     samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
     setup, batches = resolve_system(args.system)
     model = setup(workload).train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    optimizer = make_optimizer(model)
     steps = iter(batches(workload, samples, 0))
 
     def step() -> tuple[float, float]:
         micro_batches, *_rest, targets = next(steps)
-        micro_batches = [
-            {k: v.cuda() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro_batches
-        ]
-        num_items = torch.tensor(targets, device="cuda")
+        micro_batches, num_items = stage_batch(micro_batches, targets)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for inputs in micro_batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(**inputs, num_items_in_batch=num_items).loss
-            loss.backward()
+        forward_backward(model, micro_batches, num_items)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         host = time.perf_counter() - start

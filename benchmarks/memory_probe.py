@@ -96,7 +96,15 @@ def peak_breakdown(trace: list[dict], top: int = 15) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from lightning_sloth.bench import SHAPES, Workload, environment, resolve_system
+    from lightning_sloth.bench import (
+        SHAPES,
+        Workload,
+        environment,
+        forward_backward,
+        make_optimizer,
+        resolve_system,
+        stage_batch,
+    )
 
     parser = argparse.ArgumentParser(description="peak-memory breakdown of one training step (CUDA)")
     parser.add_argument("--system", default="sloth_kernels_offload")
@@ -116,17 +124,14 @@ def main(argv: list[str] | None = None) -> dict:
     samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
     setup, batches = resolve_system(args.system)
     model = setup(workload).train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    optimizer = make_optimizer(model)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)
     report: dict = {"environment": environment(), "system": args.system, "shape": args.shape}
     for step, (micro_batches, *_rest, targets) in enumerate(batches(workload, samples, 0)):
         if step == args.steps:
             break
         record = step == args.steps - 1
-        micro_batches = [
-            {k: v.cuda() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro_batches
-        ]
-        num_items = torch.tensor(targets, device="cuda")
+        micro_batches, num_items = stage_batch(micro_batches, targets)
         torch.cuda.synchronize()
         if record:
             report["before_step_bytes"] = torch.cuda.memory_allocated()
@@ -136,12 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Recording Python stacks breaks checkpointing's early stop on torch 2.11 (pytorch#179536:
         # "apply ... returned NULL without setting an exception"), so the recorded step recomputes
         # whole layers; the recomputed tail's outputs are freed at once.
-        early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(not record)
-        with early_stop:
-            for inputs in micro_batches:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(**inputs, num_items_in_batch=num_items).loss
-                loss.backward()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(not record):
+            forward_backward(model, micro_batches, num_items)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

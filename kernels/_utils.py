@@ -8,6 +8,8 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
+from lightning_sloth.ops._registry import tracing
+
 # Programs per SM for the persistent (grid-stride) kernels: enough to hide latency, few enough that
 # the per-program partial sums stay small.
 _PROGRAMS_PER_SM = 4
@@ -24,9 +26,7 @@ def launchable(kernel):
     Under ``TRITON_INTERPRET=1`` the kernel is an interpreter object, which runs on CPU tensors as
     it is.
     """
-    if isinstance(kernel, JITFunction) and (
-        torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-    ):
+    if isinstance(kernel, JITFunction) and tracing():
         return torch.library.wrap_triton(kernel)
     return kernel
 

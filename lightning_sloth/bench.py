@@ -239,6 +239,27 @@ def _to_cuda(inputs: dict) -> dict:
     return {k: v.to("cuda", non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
 
 
+def make_optimizer(model) -> torch.optim.Optimizer:
+    """The fused AdamW every system trains with, over the trainable parameters."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+
+def stage_batch(micro_batches: list[dict], targets: int) -> tuple[list[dict], torch.Tensor]:
+    """One step's micro-batches on the GPU, and its target-token count as the loss denominator."""
+    return [_to_cuda(m) for m in micro_batches], torch.tensor(targets, device="cuda")
+
+
+def forward_backward(model, micro_batches: list[dict], num_items: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of every micro-batch under bf16 autocast; the summed loss, detached."""
+    loss = torch.zeros((), device="cuda")
+    for inputs in micro_batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            micro_loss = model(**inputs, num_items_in_batch=num_items).loss
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    return loss
+
+
 def run_system(
     name: str, workload: Workload, samples, peak_flops: float, profile_to: str | None = None
 ) -> dict:
@@ -255,7 +276,7 @@ def run_system(
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     n_params = flop_parameters(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    optimizer = make_optimizer(model)
     times, tokens, flops, losses = [], [], [], []
     grad_norm = float("nan")
     warmup_peak = 0
@@ -267,19 +288,13 @@ def run_system(
         if step == steps:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
-        micro_batches = [_to_cuda(m) for m in micro_batches]
-        num_items = torch.tensor(targets, device="cuda")
+        micro_batches, num_items = stage_batch(micro_batches, targets)
         torch.cuda.synchronize()
         if step == workload.warmup_steps:  # the timed steps' own peak, warm-up (and planning) excluded
             warmup_peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss = 0.0
-        for inputs in micro_batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                micro_loss = model(**inputs, num_items_in_batch=num_items).loss
-            micro_loss.backward()
-            loss += micro_loss.detach()
+        loss = forward_backward(model, micro_batches, num_items)
         if step == steps - 1:
             grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
             grad_norm = float(torch.stack(grads).norm())

@@ -31,7 +31,16 @@ import torch
 from torch._library.custom_ops import CustomOpDef
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["NAMESPACE", "TRITON_OPS", "call", "register_autograd", "register_flops", "sloth_op", "use_triton"]
+__all__ = [
+    "NAMESPACE",
+    "TRITON_OPS",
+    "call",
+    "register_autograd",
+    "register_flops",
+    "sloth_op",
+    "tracing",
+    "use_triton",
+]
 
 NAMESPACE = "sloth"
 
@@ -119,6 +128,12 @@ def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callab
     _EAGER[op._qualname] = _Eager.apply
 
 
+def tracing() -> bool:
+    """Whether ops are being traced or intercepted now: ``torch.compile``/``torch.export``, or a
+    dispatch mode (fake tensors, ``make_fx``, ``FlopCounterMode``) is active."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def call(op: CustomOpDef, *args: object) -> object:
     """Call ``op`` with positional ``args``: through ``torch.library`` when anything may trace or
     intercept it, otherwise straight to its body (or its autograd.Function).
@@ -130,8 +145,7 @@ def call(op: CustomOpDef, *args: object) -> object:
     FLOP counting) need, so any of those takes it; plain eager calls on plain tensors do not.
     """
     if (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack() > 0
+        tracing()
         or torch._C._are_functorch_transforms_active()
         or any(type(a) not in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
     ):
