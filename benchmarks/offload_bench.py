@@ -10,6 +10,11 @@ the weights stay fixed and every setup's first loss must agree::
     python benchmarks/offload_bench.py results.json --shape llama_3_1_8b --setups checkpoint,offload_double
     python benchmarks/offload_bench.py results.json --probe-max-tokens 262144   # longest step per setup
 
+The longest step is searched by doubling from ``--tokens`` and then bisecting to ``--probe-step``
+tokens. Probe with ``--attention packed``: documents of up to 4096 tokens keep the attention
+compute small, and flash attention's memory is linear in length either way, so the activation
+memory of a step (what the setups differ in) is that of one sequence of the same length.
+
 Setups:
     none            no checkpointing
     checkpoint      per-layer non-reentrant checkpointing (apply_checkpointing without offloader)
@@ -179,27 +184,62 @@ def run_setup(model, setup: str, args, vocab: int, weights_bytes: int) -> dict:
     finally:
         gc.collect()
         torch.cuda.empty_cache()
+        release_host_cache()
     if args.probe_max_tokens:
         result["max_tokens"] = probe_max_tokens(model, setup, args, vocab)
     return result
 
 
+def _fits(model, setup: str, tokens: int, *, args, vocab: int) -> bool:
+    """Whether one training step of ``tokens`` tokens runs without a CUDA out-of-memory error."""
+    _, context = configure(model, setup)  # fresh offloader, pool sized for this length
+    try:
+        train_step(model, make_batch(tokens, vocab, args.attention, 0), context, args.loss)
+        torch.cuda.synchronize()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+        release_host_cache()
+
+
+def release_host_cache() -> None:
+    """Give cached pinned host blocks back to the OS (probe lengths double; old blocks never fit again)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    empty = empty or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 def probe_max_tokens(model, setup: str, args, vocab: int) -> int:
-    """Longest power-of-two multiple of ``--tokens`` (up to ``--probe-max-tokens``) one step fits."""
-    best, tokens = 0, args.tokens
-    while tokens <= args.probe_max_tokens:
-        _, context = configure(model, setup)  # fresh offloader, pool sized for this length
-        try:
-            train_step(model, make_batch(tokens, vocab, args.attention, 0), context, args.loss)
-            torch.cuda.synchronize()
-            best = tokens
-        except torch.OutOfMemoryError:
-            break
-        finally:
-            gc.collect()
-            torch.cuda.empty_cache()
-        tokens *= 2
-    return best
+    """Longest step (in tokens, a multiple of ``--probe-step``, up to ``--probe-max-tokens``) that fits.
+
+    Doubles from ``--tokens`` (or halves when that already fails) to bracket the limit, then
+    bisects the bracket down to ``--probe-step`` tokens. Returns 0 when not even one
+    ``--probe-step`` fits.
+    """
+    step, cap = args.probe_step, args.probe_max_tokens
+    fits = partial(_fits, model, setup, args=args, vocab=vocab)
+    low, high = 0, min(max(step, args.tokens // step * step), cap)  # largest fit, smallest failure
+    if fits(high):  # bracket upwards
+        low, high = high, None
+        while high is None and low < cap:
+            tokens = min(2 * low, cap)
+            low, high = (tokens, None) if fits(tokens) else (low, tokens)
+        if high is None:
+            return low
+    else:  # bracket downwards
+        while not low and high > step:
+            tokens = max(step, high // 2 // step * step)
+            low, high = (tokens, high) if fits(tokens) else (0, tokens)
+        if not low:
+            return 0
+    while high - low > step:  # bisect
+        mid = (low + high) // 2 // step * step
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -214,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timed-steps", type=int, default=20)
     parser.add_argument(
         "--probe-max-tokens", type=int, default=0, help="also find the longest step per setup"
+    )
+    parser.add_argument(
+        "--probe-step", type=int, default=8192, help="resolution of --probe-max-tokens, in tokens"
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -230,16 +273,18 @@ def main(argv: list[str] | None = None) -> dict:
     torch.cuda.synchronize()
     weights_bytes = torch.cuda.memory_allocated()
     vocab = model.config.vocab_size
-    results = [run_setup(model, setup, args, vocab, weights_bytes) for setup in setups]
-    first_losses = {r["first_loss"] for r in results if not r["oom"]}
     report = {
         "environment": environment(),
         "config": vars(args) | {"shape_config": SHAPES[args.shape], "lora_r": 16, "dtype": "bfloat16"},
-        "first_losses_agree": len(first_losses) <= 1,  # same weights and batch: same forward
-        "results": results,
+        "first_losses_agree": True,  # same weights and batch: every setup's first loss is the same
+        "results": [],
     }
-    with open(args.out, "w") as fh:
-        json.dump(report, fh, indent=2)
+    for setup in setups:  # the report is rewritten after each setup: a cut-off run keeps what it measured
+        report["results"].append(run_setup(model, setup, args, vocab, weights_bytes))
+        first_losses = {r["first_loss"] for r in report["results"] if not r["oom"]}
+        report["first_losses_agree"] = len(first_losses) <= 1
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=2)
     print_table(report)
     return report
 
