@@ -15,6 +15,7 @@ import torch
 from _models import add_lora, packed_batch, random_documents  # tests/_models.py
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lightning_sloth import offload
 from lightning_sloth.offload import (
     ActivationOffloader,
     HostBufferPool,
@@ -364,8 +365,8 @@ def test_second_backward_through_offloaded_graph_raises():
 
 def test_pool_best_fit_and_pinning_fallback():
     pool = HostBufferPool(max_bytes=None, pin=False)
-    big, small = pool.acquire(3 << 20), pool.acquire(5)
-    assert (big.numel(), small.numel()) == (4 << 20, 1 << 20)  # powers of two, at least 1 MiB
+    big, small = pool.acquire((3 << 20) + 5), pool.acquire(5)
+    assert (big.numel(), small.numel()) == ((3 << 20) + (1 << 18), 1 << 20)  # size classes, >= 1 MiB
     pool.release(big)
     pool.release(small)
     assert pool.acquire(1000) is small and pool.allocations == 2
@@ -374,6 +375,33 @@ def test_pool_best_fit_and_pinning_fallback():
     with pytest.warns(UserWarning, match="pinning .* failed"):
         block = pinned.acquire(10)
     assert block is not None and not pinned.pin and not block.is_pinned()
+
+
+@pytest.mark.parametrize("nbytes", [1, (1 << 20) + 1, 3 << 20, (9 << 20) + 1, 1_140_850_688, (1 << 31) - 1])
+def test_block_size_classes_waste_at_most_an_eighth(nbytes):
+    size = offload._block_bytes(nbytes)
+    assert size >= max(nbytes, 1 << 20)
+    if nbytes > 1 << 20:
+        assert size <= nbytes * 9 / 8  # not the power of two above (a 1.06 GiB input: 1.125 GiB, not 2)
+    octave = [offload._block_bytes(n) for n in range(nbytes, 2 * nbytes, max(1, nbytes // 64))]
+    assert len(set(octave)) <= 9  # few distinct sizes per doubling: blocks get reused
+
+
+def test_pool_frees_idle_blocks_that_no_longer_fit_at_its_cap():
+    pool = HostBufferPool(max_bytes=4 << 20, pin=False)
+    old = pool.acquire(1 << 20)
+    pool.release(old)
+    grown = pool.acquire(7 << 19)  # 3.5 MiB: only fits under the cap once the idle 1 MiB block goes
+    assert grown is not None and grown.numel() == 7 << 19
+    assert pool.capacity_bytes == 7 << 19 and pool.allocations == 2
+    assert pool.acquire(1 << 20) is None  # the 3.5 MiB block is in use: nothing to free
+    pool.release(grown)
+    with pytest.raises(RuntimeError, match="still in use"):
+        busy = HostBufferPool(max_bytes=None, pin=False)
+        busy.acquire(10)
+        busy.close()
+    pool.close()
+    assert pool.capacity_bytes == 0 and pool.acquire(10) is not None
 
 
 # ------------------------------------------------------------------------------- memory budget

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-from lightning_sloth.offload import ActivationOffloader, apply_checkpointing
+from lightning_sloth import offload
+from lightning_sloth.offload import ActivationOffloader, HostBufferPool, apply_checkpointing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -169,6 +170,34 @@ def test_two_hundred_steps_without_memory_growth():
     assert snapshots[199] == snapshots[9]
     assert offloader.pool.in_use_bytes == 0
     assert offloader.stats()["steps"] == 200
+
+
+def test_pinned_blocks_are_page_locked_in_place_at_their_size_class():
+    pool = HostBufferPool(max_bytes=None, pin=True)
+    nbytes = (9 << 20) + 1
+    block = pool.acquire(nbytes)
+    # 10 MiB, not the 16 MiB torch's pinned allocator would round to; page-aligned, own pages.
+    assert block.numel() == 10 << 20 and block.data_ptr() % 4096 == 0
+    assert pool.pin and block.is_pinned() and block.data_ptr() in pool._registered
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block[:nbytes].copy_(src, non_blocking=True)
+    side.synchronize()
+    back = torch.empty_like(src)
+    back.copy_(block[:nbytes], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    # A failed registration (this range is taken) is cleared, so torch's next launch check passes.
+    cudart = torch.cuda.cudart()
+    assert cudart.cudaHostRegister(block.data_ptr(), 4096, 0) != cudart.cudaError.success
+    offload._clear_cuda_error()
+    torch.ones(8, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    pool.release(block)
+    pool.close()
+    assert not pool._registered and pool.capacity_bytes == 0
 
 
 class _SlowCopyStack:
