@@ -34,14 +34,15 @@ Per-layer plan (:func:`plan_layers` picks one from measured bytes and a memory b
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 from typing import Any, Literal, get_args
 
 import torch
@@ -190,11 +191,15 @@ def _page_lock(size: int) -> Tensor | None:
 
     The block is a page-aligned view into a slightly larger allocation, so no page it covers is
     shared with other memory (two registrations must never overlap). None where the CUDA runtime
-    bindings are missing or the registration fails (e.g. ``RLIMIT_MEMLOCK``).
+    bindings are missing, where a failed registration could not be cleared from the runtime's
+    last error (torch would report it at its next kernel launch), or where it fails.
     """
     try:
         cudart = torch.cuda.cudart()
     except Exception:  # CPU build, other accelerator
+        return None
+    clear_error = _cuda_get_last_error()
+    if clear_error is None:
         return None
     raw = torch.empty(size + _PAGE_BYTES, dtype=torch.uint8)
     offset = -raw.data_ptr() % _PAGE_BYTES
@@ -202,23 +207,24 @@ def _page_lock(size: int) -> Tensor | None:
     flags = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
     if cudart.cudaHostRegister(block.data_ptr(), size, flags) == cudart.cudaError.success:
         return block
-    _clear_cuda_error()
+    clear_error()  # handled here: the caller falls back to torch's pinned allocator
     return None
 
 
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed call whose failure was handled.
-
-    Otherwise the next kernel-launch check in torch reports it as its own.
-    """
-    import ctypes
-
-    for name in ("libcudart.so", f"libcudart.so.{(torch.version.cuda or '0').split('.')[0]}"):
+@cache
+def _cuda_get_last_error() -> Callable[[], int] | None:
+    """``cudaGetLastError`` of the CUDA runtime torch loaded (found in this process's mappings)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
         try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
+            return ctypes.CDLL(path).cudaGetLastError
         except (OSError, AttributeError):
             continue
+    return None
 
 
 def _page_unlock(registered: dict[int, Tensor]) -> None:
