@@ -529,3 +529,10 @@ def test_offloader_pickles_to_a_fresh_copy():
         1,
     )
     assert copy.pool.max_bytes == 64 << 20 and copy.pool.allocations == 0 and copy.stats()["steps"] == 0
+
+
+def test_two_process_ddp_with_offload_matches_plain_checkpointing():
+    """Two gloo processes, each its own data: offloading changes no bit of the trained weights."""
+    import _ddp
+
+    _ddp.assert_offload_changes_nothing(_ddp.run("cpu"))

@@ -1,0 +1,88 @@
+"""A two-process DDP training run with and without activation offload (CPU/gloo and CUDA/NCCL tests).
+
+Imported as ``import _ddp``: ``tests/`` is on ``sys.path`` (see ``_models``), and spawned workers
+find this module the same way.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_sloth.offload import ActivationOffloader, apply_checkpointing
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama(hidden: int, layers: int, vocab: int, attention: str) -> LlamaForCausalLM:
+    """Random-weight float32 Llama, head_dim 64, GQA 2:1."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        vocab_size=vocab,
+        use_cache=False,
+        attn_implementation=attention,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _worker(rank: int, port: int, device_type: str, offload: bool, results) -> None:
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=WORLD, rank=rank)
+    try:
+        device = torch.device(device_type, rank) if cuda else torch.device("cpu")
+        model = llama(256, 4, 512, "eager").to(device).train()  # eager attention: deterministic backward
+        offloader = ActivationOffloader("on", device=device_type, min_offload_bytes=0) if offload else None
+        apply_checkpointing(model, offloader=offloader)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        for _ in range(3):
+            ids = torch.randint(0, 512, (2, 384), generator=gen).to(device)
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state = {n: p.detach().cpu() for n, p in model.named_parameters()}
+        results[(offload, rank)] = (state, offloader.stats() if offloader is not None else {})
+    finally:
+        dist.destroy_process_group()
+
+
+def run(device_type: str) -> dict:
+    """``{(offload, rank): (parameters after 3 DDP steps, offloader stats)}`` for offload off and on."""
+    with mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
+        for offload in (False, True):
+            mp.start_processes(
+                _worker, args=(free_port(), device_type, offload, results), nprocs=WORLD, start_method="spawn"
+            )
+        return dict(results)
+
+
+def assert_offload_changes_nothing(results: dict) -> None:
+    """Every rank, offload on or off, ends with bitwise the same parameters; offload did offload."""
+    plain = results[(False, 0)][0]
+    for rank in range(WORLD):
+        state, stats = results[(True, rank)]
+        assert stats["offloaded_bytes_per_step"] > 0
+        assert stats["fetched_on_demand"] + stats["prefetched"] > 0
+        for name, value in plain.items():
+            assert torch.equal(state[name], value), (rank, name)
+            assert torch.equal(results[(False, rank)][0][name], value), (rank, name)  # replicas in sync
