@@ -130,6 +130,18 @@ def document_exact_match(preds: Tensor, targets: Tensor, cu_seqlens: Tensor) -> 
     return (wrong_per_doc[targets_per_doc > 0] == 0).float()
 
 
+def use_fused_adamw(
+    device: torch.device, params: Sequence[Tensor], *, loss_scaled: bool, clipped: bool
+) -> bool:
+    """Whether AdamW can take its fused CUDA kernel: CUDA, fp32/bf16 parameters, and not fp16 loss
+    scaling together with gradient clipping (a fused step unscales inside itself, after the clip)."""
+    return (
+        device.type == "cuda"
+        and all(p.dtype in (torch.float32, torch.bfloat16) for p in params)
+        and not (loss_scaled and clipped)
+    )
+
+
 class CausalLMModule(LightningModule):
     """Fine-tunes a transformers causal LM on :class:`PackedBatch` batches.
 
@@ -232,7 +244,12 @@ class CausalLMModule(LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError("CausalLMModule has no trainable parameters (check the LoRA target modules)")
-        fused = self.device.type == "cuda" and all(p.dtype in (torch.float32, torch.bfloat16) for p in params)
+        fused = use_fused_adamw(
+            self.device,
+            params,
+            loss_scaled=getattr(self.trainer.precision_plugin, "scaler", None) is not None,
+            clipped=bool(self.trainer.gradient_clip_val),
+        )
         optimizer = torch.optim.AdamW(
             params,
             lr=self.optim.lr,

@@ -64,3 +64,31 @@ def test_full_precision_changes_nothing():
     assert module.weight.dtype == torch.float32
     with plugin.forward_context():
         assert module(torch.randn(2, 3)).dtype == torch.float32
+
+
+def test_bf16_mixed_clips_gradients_of_an_optimizer_that_unscales_in_its_step():
+    """Lightning refuses to clip for fused AdamW under any AMP; bf16 has no loss scale to undo."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    weight = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    weight.grad = torch.full((8, 8), 3.0)
+    optimizer = torch.optim.AdamW([weight])
+    optimizer._step_supports_amp_scaling = True  # what fused=True sets (CUDA only)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        MixedPrecision("bf16-mixed", "cpu").clip_gradients(optimizer, 1.0)
+    plugin = SlothPrecision("bf16-mixed", device="cpu")
+    assert plugin.scaler is None
+    plugin.clip_gradients(optimizer, 1.0)
+    assert torch.linalg.vector_norm(weight.grad).item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_fused_adamw_only_where_clipping_sees_unscaled_gradients():
+    from lightning_sloth.module import use_fused_adamw
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    params = [torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)]
+    assert use_fused_adamw(cuda, params, loss_scaled=False, clipped=True)  # bf16-mixed, 32, bf16-true
+    assert use_fused_adamw(cuda, params, loss_scaled=True, clipped=False)  # fp16 scaler, no clipping
+    assert not use_fused_adamw(cuda, params, loss_scaled=True, clipped=True)  # fp16 scaler + clipping
+    assert not use_fused_adamw(cpu, params, loss_scaled=False, clipped=False)
+    assert not use_fused_adamw(cuda, [torch.zeros(2, dtype=torch.float16)], loss_scaled=False, clipped=False)

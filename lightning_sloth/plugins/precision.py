@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
 
@@ -74,6 +75,16 @@ class SlothMixedPrecision(SlothPrecision, MixedPrecision):
     def __init__(self, precision: str = "bf16-mixed", device: str | None = None) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         MixedPrecision.__init__(self, resolve_precision(precision), device)
+
+    def clip_gradients(
+        self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM
+    ) -> None:
+        if self.scaler is None:
+            # bf16 autocast has no loss scale, so there is nothing to unscale before clipping. Lightning
+            # refuses to clip for optimizers that unscale inside their step (fused AdamW) under any
+            # AMP; that only matters with fp16's scaler.
+            return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
 
 class SlothHalfPrecision(SlothPrecision, HalfPrecision):
