@@ -147,8 +147,7 @@ def train_step(model, batch: dict, context, loss: str) -> torch.Tensor:
 def run_setup(model, setup: str, args, vocab: int, weights_bytes: int) -> dict:
     """Warm up, then time ``args.timed_steps`` steps of one setup."""
     offloader, context = configure(model, setup)
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     result: dict = {"setup": setup, "tokens_per_step": args.tokens}
     try:
         losses = []
@@ -182,9 +181,7 @@ def run_setup(model, setup: str, args, vocab: int, weights_bytes: int) -> dict:
     except torch.OutOfMemoryError as err:
         result |= {"oom": True, "error": str(err).splitlines()[0]}
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-        release_host_cache()
+        release_memory()
     if args.probe_max_tokens:
         result["max_tokens"] = probe_max_tokens(model, setup, args, vocab)
     return result
@@ -200,13 +197,14 @@ def _fits(model, setup: str, tokens: int, *, args, vocab: int) -> bool:
     except torch.OutOfMemoryError:
         return False
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-        release_host_cache()
+        release_memory()
 
 
-def release_host_cache() -> None:
-    """Give cached pinned host blocks back to the OS (probe lengths double; old blocks never fit again)."""
+def release_memory() -> None:
+    """Drop what a finished or failed step left: garbage, cached device blocks, and cached pinned
+    host blocks (probe lengths change, so old blocks rarely fit again)."""
+    gc.collect()
+    torch.cuda.empty_cache()
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     empty = empty or getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
