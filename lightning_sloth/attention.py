@@ -30,6 +30,23 @@ Backends (:func:`set_packed_attention_backend`):
   up to 256), else ``"sdpa"``. An explicitly chosen backend that cannot serve an input (e.g.
   ``"varlen"`` with float32) falls back to ``"sdpa"`` with a warning, so every dtype stays correct.
 
+Attention sinks (GPT-OSS, ``s_aux``): one learned logit per query head joins every softmax row
+as an extra column whose value is zero, so a row may put weight on "nothing". With ``lse`` the
+log-sum-exp of a row's scores that is ``out * sigmoid(lse - sink)``. Each backend applies it as
+that gate on its own output:
+
+* ``"varlen"``: torch's ``varlen_attn`` returns ``lse`` but drops its gradient, and ``q``/``k``
+  depend on it. :class:`_VarlenWithSinks` calls the flash kernels itself and folds the ``lse``
+  gradient into the backward's row term ``D = rowsum(dO * O)``: given the gated output and the
+  gated ``dO``, the unmodified flash backward returns the exact ``dq``/``dk``/``dv``.
+* ``"flex"``: FlexAttention returns ``lse`` and differentiates through it; autograd does the rest.
+* ``"sdpa"`` (and unpacked rows): an explicit float32 (float64 for float64 inputs) math path with
+  the sink as an extra logit column, as transformers' eager GPT-OSS attention computes it.
+
+Sliding windows (GPT-OSS alternates sliding and full layers; the layer passes ``sliding_window``)
+follow transformers: a query at position ``i`` sees keys ``j`` of its own document with
+``i - window < j <= i``.
+
 The flex and sdpa masks are built once per batch: :class:`_BatchMaskCache` keeps the masks of the
 ``cu_seqlens`` tensor it last saw (the same object reaches every layer, and the recompute of a
 checkpointed layer), so layers 2..N reuse them. Everything is built with device ops from the
@@ -47,19 +64,23 @@ attention never looks ahead to the padding) but wrong for left padding, so gener
 left-padded prompts should switch back with ``model.set_attn_implementation("sdpa")``. A 4-D
 mask passed by the caller still reaches the function and is honoured. Packing signalled only by
 restarting ``position_ids`` (without ``cu_seq_lens``) is not detected: pass ``cu_seq_lens_q/k``.
+
+One file past 500 lines on purpose: the backends share the argument checks, the per-batch mask
+cache and the sink gate, and each is a few lines once those are in one place.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -158,8 +179,8 @@ def sloth_attention_forward(
         scaling: softmax scale, ``1/sqrt(D)`` if ``None``.
         **kwargs: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``[n + 1]`` int32/int64 document boundaries,
             the last equal to ``T``), ``max_length_q`` / ``max_length_k`` (Python ints, at least the
-            longest document), ``sliding_window`` (int or ``None``); the rest goes to transformers' SDPA
-            on unpacked batches.
+            longest document), ``sliding_window`` (int or ``None``), ``s_aux`` (GPT-OSS attention
+            sinks, ``[Hq]``, or ``None``); the rest goes to transformers' SDPA on unpacked batches.
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``[B, T, Hq, D]`` in the dtype of ``query`` (the
@@ -167,11 +188,12 @@ def sloth_attention_forward(
 
     Raises:
         ValueError: malformed packing metadata (missing ``max_length_q``, ``B != 1``, a mask given
-            with ``cu_seq_lens_q``, ``cu_seqlens`` not covering the row, ...).
-        NotImplementedError: dropout, softcapping, attention sinks or non-causal attention on a
-            packed batch.
+            with ``cu_seq_lens_q``, ``cu_seqlens`` not covering the row, ...) or sinks that are not
+            one value per query head.
+        NotImplementedError: dropout, softcapping or non-causal attention on a packed batch.
     """
     _reject_unsupported(kwargs)
+    _check_sinks(kwargs.get("s_aux"), query.shape[1])
     cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
     if cu_seqlens is None:
         return _unpacked_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -181,8 +203,16 @@ def sloth_attention_forward(
 def _reject_unsupported(kwargs: dict) -> None:
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("sloth attention does not support attention logit softcapping (softcap)")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("sloth attention does not support attention sinks (s_aux)")
+
+
+def _check_sinks(sinks, heads_q: int) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or sinks.shape != (heads_q,) or not sinks.is_floating_point():
+        shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"attention sinks (s_aux) must be a floating tensor of one logit per query head [{heads_q}], got {shape}"
+        )
 
 
 def _unpacked_attention(
@@ -192,7 +222,18 @@ def _unpacked_attention(
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     window = kwargs.pop("sliding_window", None)
+    sinks = kwargs.pop("s_aux", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if sinks is not None:
+        if dropout > 0.0:
+            raise NotImplementedError(
+                f"sloth attention with sinks does not support attention dropout (got {dropout}); "
+                "set config.attention_dropout = 0.0"
+            )
+        if attention_mask is None:
+            attention_mask = _causal_window_mask(q_len, window, query.device, kv_len)
+        query, key, value = _autocast_inputs(query, key, value)
+        return _attention_with_sinks(query, key, value, attention_mask, scaling, sinks), None
     if attention_mask is None and window is not None and kv_len > window:
         if q_len != kv_len:
             raise NotImplementedError(
@@ -238,15 +279,16 @@ def _packed_attention(
     if cu_seqlens_k is not cu_seqlens:
         _check_cu_seqlens(cu_seqlens_k, seq_len, "cu_seq_lens_k")
     window = kwargs.get("sliding_window")
+    sinks = kwargs.get("s_aux")
 
     query, key, value = _autocast_inputs(query, key, value)
     backend = _resolve_backend(query, key, value)
     if backend == "varlen":
-        out = _varlen(query, key, value, cu_seqlens, cu_seqlens_k, max_q, max_k, scaling, window)
+        out = _varlen(query, key, value, cu_seqlens, cu_seqlens_k, max_q, max_k, scaling, window, sinks)
     elif backend == "flex":
-        out = _flex(query, key, value, cu_seqlens, scaling, window)
+        out = _flex(query, key, value, cu_seqlens, scaling, window, sinks)
     else:
-        out = _sdpa_masked(query, key, value, cu_seqlens, scaling, window)
+        out = _sdpa_masked(query, key, value, cu_seqlens, scaling, window, sinks)
     return out, None
 
 
@@ -327,15 +369,17 @@ def _to_varlen_layout(x: Tensor, repeats: int) -> Tensor:
     return x.contiguous()
 
 
-def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scaling, window) -> Tensor:
+def _varlen(
+    query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scaling, window, sinks=None
+) -> Tensor:
     groups = query.shape[1] // key.shape[1]
     extra = {}
     if groups > 1 and _VARLEN_HAS_GQA:
         extra["enable_gqa"] = True
         groups = 1
     # transformers' sliding window W keeps keys with q - k < W, i.e. W - 1 to the left.
-    window_size = (-1, 0) if window is None else (window - 1, 0)
-    out = varlen_attn(
+    window_left = -1 if window is None else window - 1
+    args = (
         _to_varlen_layout(query, 1),
         _to_varlen_layout(key, groups),
         _to_varlen_layout(value, groups),
@@ -343,14 +387,105 @@ def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scaling
         cu_seqlens_k.to(torch.int32),
         max_q,
         max_k,
-        scale=scaling,
-        window_size=window_size,
-        **extra,
     )
+    if sinks is not None:
+        out = _VarlenWithSinks.apply(*args[:3], sinks, *args[3:], scaling, window_left)
+    else:
+        out = varlen_attn(*args, scale=scaling, window_size=(window_left, 0), **extra)
     return out.unsqueeze(0)
 
 
-def _flex(query, key, value, cu_seqlens, scaling, window) -> Tensor:
+def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):
+    """Flash varlen forward on ``[T, H, D]``: ``(out, lse [Hq, T] float32, rng_state, unused)``."""
+    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        window_left < 0,
+        False,
+        scale=scale,
+        window_size_left=window_left,
+        window_size_right=0,
+    )
+    return out, lse, rng_state, unused
+
+
+def _flash_varlen_backward(
+    grad, q, k, v, out, lse, rng_state, unused, cu_q, cu_k, max_q, max_k, scale, window_left
+):
+    """Flash varlen backward: ``(dq, dk, dv)``; ``out`` only enters its row term ``rowsum(grad * out)``."""
+    return torch.ops.aten._flash_attention_backward(
+        grad,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        window_left < 0,
+        rng_state,
+        unused,
+        scale=scale,
+        window_size_left=window_left,
+        window_size_right=0,
+    )
+
+
+class _VarlenWithSinks(torch.autograd.Function):
+    """Flash varlen attention with per-head sinks: ``[T, Hq, D]`` in and out, sinks ``[Hq]``.
+
+    Forward: ``o = out * w`` with ``w = sigmoid(lse - sink)`` in float32. Backward, ``g = dL/do``:
+
+    * ``dL/dsink = -sum_t (g . o) (1 - w)``;
+    * ``dL/dlse = (g . o) (1 - w)`` reaches every score of the row as ``p_ij * dL/dlse``. The flash
+      backward computes ``ds_ij = p_ij (g'_i . v_j - D_i)`` with ``D_i = g'_i . out'_i`` from the
+      ``(g', out')`` it is handed. Handing it ``(g * w, o)`` gives ``D_i = w^2 (g . out)``, which is
+      exactly ``w (g . out) - dL/dlse``: the ``lse`` gradient without a kernel of our own.
+
+    torch's ``varlen_attn`` returns ``lse`` but its backward ignores the ``lse`` gradient, hence the
+    direct calls to the flash ops it wraps. Nothing here reads device memory on the host.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, window_left):
+        out, lse, rng_state, unused = _flash_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left
+        )
+        gate = torch.sigmoid(lse.transpose(0, 1) - sinks.float())
+        gated = (out.float() * gate[..., None]).to(out.dtype)
+        ctx.save_for_backward(q, k, v, gated, lse, gate, rng_state, unused, cu_q, cu_k)
+        ctx.args = (max_q, max_k, scale, window_left)
+        ctx.sinks_dtype = sinks.dtype
+        return gated
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, gated, lse, gate, rng_state, unused, cu_q, cu_k = ctx.saved_tensors
+        grad32 = grad.float()
+        dsinks = -((grad32 * gated.float()).sum(-1) * (1.0 - gate)).sum(0)
+        grad_out = (grad32 * gate[..., None]).to(grad.dtype).contiguous()
+        dq, dk, dv = _flash_varlen_backward(
+            grad_out, q, k, v, gated, lse, rng_state, unused, cu_q, cu_k, *ctx.args
+        )
+        return dq, dk, dv, dsinks.to(ctx.sinks_dtype), None, None, None, None, None, None
+
+
+def _sink_gate(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``out * sigmoid(lse - sink)``: ``out [B, H, T, D]``, ``lse [B, H, T]``, sinks ``[H]``."""
+    gate = torch.sigmoid(lse.float() - sinks.float()[:, None])
+    return (out.float() * gate[..., None]).to(out.dtype)
+
+
+def _flex(query, key, value, cu_seqlens, scaling, window, sinks=None) -> Tensor:
     seq_len = query.shape[2]
     block_mask = _MASKS.get(
         cu_seqlens,
@@ -363,17 +498,30 @@ def _flex(query, key, value, cu_seqlens, scaling, window) -> Tensor:
         # CPU flex is forward-only and refuses inputs that require grad even under no_grad.
         attend = flex_attention
         query, key, value = query.detach(), key.detach(), value.detach()
+    extra = {} if sinks is None else {"return_aux": AuxRequest(lse=True)}
     out = attend(
-        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query,
+        key,
+        value,
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+        **extra,
     )
+    if sinks is not None:
+        # flex differentiates through the lse it returns (on CUDA), so autograd handles the gate.
+        out, aux = out
+        out = _sink_gate(out, aux.lse, sinks)
     return out.transpose(1, 2).contiguous()
 
 
-def _sdpa_masked(query, key, value, cu_seqlens, scaling, window) -> Tensor:
+def _sdpa_masked(query, key, value, cu_seqlens, scaling, window, sinks=None) -> Tensor:
     seq_len = query.shape[2]
     mask = _MASKS.get(
         cu_seqlens, ("dense", seq_len, window), lambda: document_causal_mask(cu_seqlens, seq_len, window)
     )
+    if sinks is not None:
+        return _attention_with_sinks(query, key, value, mask, scaling, sinks)
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(
         query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling
@@ -475,11 +623,48 @@ def _ordered_blocks(dense: Tensor) -> tuple[Tensor, Tensor]:
     return counts[None, None].contiguous(), indices[None, None].contiguous()
 
 
-def _causal_window_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
-    """``[T, T]`` causal sliding-window mask for unpacked rows (built per call: an uncommon path)."""
-    pos = torch.arange(seq_len, device=device)
-    distance = pos[:, None] - pos[None, :]
-    return (distance >= 0) & (distance < window)
+def _attention_with_sinks(query, key, value, mask, scaling, sinks) -> Tensor:
+    """Attention with a sink logit column per head, as transformers' eager GPT-OSS attention.
+
+    Args:
+        query: ``[B, Hq, T, D]``; key, value: ``[B, Hkv, S, D]``.
+        mask: bool (True = attend) or additive float, broadcastable to ``[B, Hq, T, S]``.
+        scaling: softmax scale, ``1/sqrt(D)`` if ``None``.
+        sinks: ``[Hq]`` logits of the sink column (its value is zero).
+
+    Returns:
+        ``[B, T, Hq, D]`` in ``query``'s dtype, computed in float32 (float64 for float64 inputs). A
+        row with every key masked stays finite: all its weight goes to the sink.
+    """
+    groups = query.shape[1] // key.shape[1]
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (query.to(dtype) @ repeat_kv(key, groups).to(dtype).transpose(-1, -2)) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+    else:
+        scores = scores + mask.to(dtype)
+    sink_column = sinks.to(dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    out = probs @ repeat_kv(value, groups).to(dtype)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
+def _causal_window_mask(
+    q_len: int, window: int | None, device: torch.device, kv_len: int | None = None
+) -> Tensor:
+    """``[T, S]`` causal (sliding-window) mask for unpacked rows (built per call: an uncommon path).
+
+    Queries are the last ``T`` of ``S`` positions: query ``i`` sits at ``i + S - T``.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    distance = (torch.arange(q_len, device=device) + kv_len - q_len)[:, None] - torch.arange(
+        kv_len, device=device
+    )
+    keep = distance >= 0
+    if window is not None:
+        keep &= distance < window
+    return keep
 
 
 class _BatchMaskCache:

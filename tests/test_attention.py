@@ -271,7 +271,7 @@ def test_unknown_backend_raises():
         (lambda kw, qkv: kw.pop("max_length_q"), ValueError, "needs max_length_q"),
         (lambda kw, qkv: kw.update(dropout=0.1), NotImplementedError, "attention dropout"),
         (lambda kw, qkv: kw.update(softcap=30.0), NotImplementedError, "softcapping"),
-        (lambda kw, qkv: kw.update(s_aux=torch.zeros(4)), NotImplementedError, "sinks"),
+        (lambda kw, qkv: kw.update(s_aux=torch.zeros(3)), ValueError, "one logit per query head"),
         (
             lambda kw, qkv: kw.update(attention_mask=torch.ones(1, 1, 29, 29, dtype=torch.bool)),
             ValueError,
