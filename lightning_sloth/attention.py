@@ -379,19 +379,17 @@ def _varlen(
         groups = 1
     # transformers' sliding window W keeps keys with q - k < W, i.e. W - 1 to the left.
     window_left = -1 if window is None else window - 1
-    args = (
-        _to_varlen_layout(query, 1),
-        _to_varlen_layout(key, groups),
-        _to_varlen_layout(value, groups),
-        cu_seqlens_q.to(torch.int32),
-        cu_seqlens_k.to(torch.int32),
-        max_q,
-        max_k,
-    )
+    q, k, v = _to_varlen_layout(query, 1), _to_varlen_layout(key, groups), _to_varlen_layout(value, groups)
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int32)
     if sinks is not None:
-        out = _VarlenWithSinks.apply(*args[:3], sinks, *args[3:], scaling, window_left)
+        # Dynamo refuses an autograd.Function given one tensor twice: None stands for "cu_k is cu_q".
+        cu_k_arg = None if cu_k is cu_q else cu_k
+        out = _VarlenWithSinks.apply(q, k, v, sinks, cu_q, cu_k_arg, max_q, max_k, scaling, window_left)
     else:
-        out = varlen_attn(*args, scale=scaling, window_size=(window_left, 0), **extra)
+        out = varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(window_left, 0), **extra
+        )
     return out.unsqueeze(0)
 
 
@@ -457,9 +455,14 @@ class _VarlenWithSinks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, window_left):
+        cu_k = cu_q if cu_k is None else cu_k
         out, lse, rng_state, unused = _flash_varlen_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left
         )
+        if lse.dim() != 2:
+            raise NotImplementedError(
+                f"sloth attention sinks need the flash varlen log-sum-exp as [heads, tokens], got {tuple(lse.shape)}"
+            )
         gate = torch.sigmoid(lse.transpose(0, 1) - sinks.float())
         gated = (out.float() * gate[..., None]).to(out.dtype)
         ctx.save_for_backward(q, k, v, gated, lse, gate, rng_state, unused, cu_q, cu_k)

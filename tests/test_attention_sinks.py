@@ -182,6 +182,32 @@ def test_varlen_sink_function_with_flash_semantics(monkeypatch, window):
     assert_grads_close((q, k, v, sinks), leaves)
 
 
+def test_varlen_sink_function_compiles_fullgraph(monkeypatch):
+    """Dynamo traces the CUDA path's autograd.Function in one graph (it runs inside compiled layers)."""
+    monkeypatch.setattr(attention, "_flash_varlen_forward", _flash_like_forward)
+    monkeypatch.setattr(attention, "_flash_varlen_backward", _flash_like_backward)
+    q, k, v, sinks = inputs(sum(SEGMENTS), seed=8)
+    cu = cu_from(SEGMENTS)
+
+    def attend(q, k, v, sinks):
+        return attention._varlen(q, k, v, cu, cu, max(SEGMENTS), max(SEGMENTS), 0.25, WINDOW, sinks)
+
+    grad_out = torch.randn(sum(SEGMENTS), 4, 16, generator=torch.Generator().manual_seed(9))[None]
+    attend(q, k, v, sinks).backward(grad_out)
+    eager_grads = [t.grad.clone() for t in (q, k, v, sinks)]
+    for t in (q, k, v, sinks):
+        t.grad = None
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+        out.backward(grad_out)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, attend(q, k, v, sinks), rtol=1e-6, atol=1e-6)
+    for t, want in zip((q, k, v, sinks), eager_grads):
+        torch.testing.assert_close(t.grad, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("window", [None, WINDOW])
 def test_flex_backend_with_sinks_forward_matches_reference(backend, window):
