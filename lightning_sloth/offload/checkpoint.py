@@ -140,9 +140,12 @@ class CheckpointedLayers:
         if index == 0:
             self._measured = []
             self.budget_bytes = self._budget(args)
-        # Parameters and the keyword tensors (rotary tables, packing metadata) are shared, not
-        # activations of this layer.
-        shared = {p.untyped_storage().data_ptr() for p in self.layers[index].parameters()}
+        # Parameters, buffers and the keyword tensors (rotary tables, packing metadata) are shared,
+        # not activations of this layer. Buffers matter for 4-bit weights: the block scales and code
+        # book a 4-bit layer saves for its backward are views of its buffers (the packed codes are
+        # its weight parameter), so they cost nothing per step and count for nothing here.
+        layer = self.layers[index]
+        shared = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
         keywords = forward.keywords.values() if isinstance(forward, partial) else ()
         shared |= {t.untyped_storage().data_ptr() for t in _tensors(keywords)}
         if self._compiled is not None:
