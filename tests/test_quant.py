@@ -202,6 +202,28 @@ def test_quantize_model_in_place_skips_lm_head_and_adapters():
     assert quantize_model(model, "nf4") == []  # already 4-bit: nothing to do, no error
 
 
+def test_quantize_model_frees_each_16bit_weight_as_it_goes():
+    import gc
+    import weakref
+
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    weights = [weakref.ref(layer.weight) for layer in model]
+    alive = []
+    original = Linear4bit.from_linear
+
+    def spy(linear, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(w() is not None for w in weights))
+        return original(linear, *args, **kwargs)
+
+    Linear4bit.from_linear = spy
+    try:
+        quantize_model(model, "nf4", skip=())
+    finally:
+        Linear4bit.from_linear = original
+    assert alive == [4, 3, 2, 1]  # each replaced layer's weight is gone before the next is quantised
+
+
 def test_quantize_model_errors():
     with pytest.raises(ValueError, match="no nn.Linear layer to quantise"):
         quantize_model(nn.Sequential(nn.Embedding(4, 4), nn.LayerNorm(4)))

@@ -233,16 +233,20 @@ def quantize_model(
     skip = tuple(skip)
     converted: list[str] = []
     already = 0
-    for name, module in list(model.named_modules()):
+    # Names, not modules: a list of modules would keep every replaced linear (and its 16-bit
+    # weight) alive until the end, and the whole model would sit in both formats at once.
+    for name in [name for name, _ in model.named_modules()]:
+        module = model.get_submodule(name)
         if four_bit_storage(module) is not None:
-            already += 1
+            already += name not in converted
             continue
         if _is_expert_container(module):
             raise NotImplementedError(
                 f"{name} holds 3-D expert weights ({type(module).__name__}); 4-bit quantisation of MoE experts "
                 "is not implemented yet: add the experts module to quantize_skip to keep them in the compute dtype"
             )
-        for child_name, child in list(module.named_children()):
+        for child_name in [child_name for child_name, _ in module.named_children()]:
+            child = module.get_submodule(child_name)
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is not nn.Linear or _skipped(full, skip) or _is_adapter(full):
                 continue

@@ -150,13 +150,16 @@ def random_quantized(
     device = torch.device(device)
     torch.manual_seed(seed)
     model = _meta_model(config, dtype)
-    for name, module in list(model.named_modules()):
+    # Names, not modules: a list of modules would keep every replaced bf16 linear alive.
+    for name in [name for name, _ in model.named_modules()]:
+        module = model.get_submodule(name)
         if not any(p.is_meta for p in module.parameters(recurse=False)):
             continue
         module.to_empty(device=device, recurse=False)
         model._init_weights(module)
         if _quantisable(name, module, tuple(skip)):
             _replace(model, name, Linear4bit.from_linear(module, quant_type))
+        del module
     model.tie_weights()
     _rebuild_meta_buffers(model, device)
     return model
