@@ -55,7 +55,7 @@ class _Record(Callback):
         model.register_forward_pre_hook(inputs, with_kwargs=True)
 
 
-def _fit(model, precision, steps=6, quantize="nf4", lr=2e-2):
+def _fit(model, precision, steps=6, quantize="nf4", lr=2e-2, ckpt_path=None, save_to=None):
     seed_everything(0)
     tokenizer = build_char_tokenizer()
     data = PackedDataModule(tokenizer, train=SyntheticTask(64, seed=1), max_tokens=256)
@@ -72,7 +72,9 @@ def _fit(model, precision, steps=6, quantize="nf4", lr=2e-2):
         enable_model_summary=False,
         callbacks=[record],
     )
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return module, record
 
 
@@ -187,6 +189,21 @@ def test_adapter_saves_in_peft_format_and_reloads(tmp_path):
     for name, param in reloaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(param, trained[name])
+
+
+def test_resume_from_a_4bit_checkpoint_and_mismatches(tmp_path):
+    ckpt = tmp_path / "nf4.ckpt"
+    first, _ = _fit(tiny_llama(**_vocab()), "32-true", steps=2, save_to=ckpt)
+    resumed, record = _fit(tiny_llama(**_vocab()), "32-true", steps=4, ckpt_path=ckpt)
+    assert len(record.losses) == 2  # steps 3 and 4
+    with pytest.raises(ValueError, match="resume with the same quantize setting"):
+        _fit(tiny_llama(**_vocab()), "32-true", steps=4, quantize=None, ckpt_path=ckpt)
+    with pytest.raises(ValueError, match="4-bit layers do not match"):
+        _fit(tiny_llama(**_vocab()), "32-true", steps=4, quantize="fp4", ckpt_path=ckpt)
+    dense = tmp_path / "dense.ckpt"
+    _fit(tiny_llama(**_vocab()), "32-true", steps=1, quantize=None, save_to=dense)
+    with pytest.raises(ValueError, match="written without quantisation"):
+        _fit(tiny_llama(**_vocab()), "32-true", steps=2, ckpt_path=dense)
 
 
 # --------------------------------------------------------------------------- loading, memory plan

@@ -271,3 +271,37 @@ def _is_adapter(name: str) -> bool:
         part.startswith(("lora_", "lokr_", "loha_", "ia3_")) or part in ("modules_to_save", "original_module")
         for part in name.split(".")
     )
+
+
+def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` if ``state_dict`` stores layers in 4 bits that ``model`` does not, or the reverse.
+
+    Compares the quantisation records (``<layer>._extra_state``) of the checkpoint with the
+    :class:`Linear4bit` layers of ``model``; a checkpoint written by a run with another
+    ``quantize`` setting would otherwise fail with a list of shape mismatches.
+    """
+    saved = {
+        key.removesuffix("._extra_state"): value["quant_type"]
+        for key, value in state_dict.items()
+        if key.endswith("._extra_state") and isinstance(value, dict) and "quant_type" in value
+    }
+    mine = {name: m.quant_type for name, m in model.named_modules() if isinstance(m, Linear4bit)}
+    if saved == mine:
+        return
+    if not mine:
+        raise ValueError(
+            f"the checkpoint stores {len(saved)} layers in 4 bits ({sorted(set(saved.values()))}, e.g. "
+            f"{next(iter(saved))}) but the model has none: resume with the same quantize setting "
+            "(SlothPrecision(quantize=...), precision.quantize)"
+        )
+    if not saved:
+        raise ValueError(
+            f"the model stores {len(mine)} layers in 4 bits ({sorted(set(mine.values()))}) but the checkpoint "
+            "has none: it was written without quantisation; resume without quantize, or load its weights "
+            "into an unquantised model and quantise after loading"
+        )
+    differ = sorted(set(saved.items()) ^ set(mine.items()))
+    raise ValueError(
+        f"the checkpoint's 4-bit layers do not match the model's: {len(differ)} differ, e.g. {differ[:2]} "
+        f"(checkpoint {sorted(set(saved.values()))}, model {sorted(set(mine.values()))})"
+    )
