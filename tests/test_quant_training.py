@@ -110,7 +110,12 @@ def test_base_weights_untouched_by_training():
 
 @pytest.mark.parametrize(
     ("precision", "dtype"),
-    [("32-true", torch.float32), ("bf16-true", torch.bfloat16), ("bf16-mixed", torch.bfloat16)],
+    [
+        ("32-true", torch.float32),
+        ("bf16-true", torch.bfloat16),
+        ("bf16-mixed", torch.bfloat16),
+        ("16-mixed", torch.float16),
+    ],
 )
 def test_precision_is_honoured_inside_attention_and_mlp(precision, dtype):
     _, record = _fit(tiny_llama(**_vocab()), precision, steps=1)
