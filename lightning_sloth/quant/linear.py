@@ -240,7 +240,7 @@ def quantize_model(
         if four_bit_storage(module) is not None:
             already += name not in converted
             continue
-        if _is_expert_container(module):
+        if _is_expert_container(module) and not _skipped(name, skip):
             raise NotImplementedError(
                 f"{name} holds 3-D expert weights ({type(module).__name__}); 4-bit quantisation of MoE experts "
                 "is not implemented yet: add the experts module to quantize_skip to keep them in the compute dtype"
