@@ -15,7 +15,7 @@ from lightning_sloth.quant import dequantize_4bit_reference, quantize_4bit
 @interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("quant_type", ["nf4", "nf4-dq", "fp4"])
-@pytest.mark.parametrize("shape", [(7, 3), (33, 130), (64, 4100)])
+@pytest.mark.parametrize("shape", [(7, 3), (33, 130), (40, 1030)])
 def test_kernels_interpreted(shape, quant_type, dtype):
     from lightning_sloth.kernels.nf4 import dequantize_4bit
 
