@@ -203,7 +203,12 @@ def build_precision(precision: DictConfig) -> SlothPrecision:
     """``SlothPrecision`` of the ``precision`` node (``auto`` resolves on this machine)."""
     from lightning_sloth.plugins import SlothPrecision
 
-    return SlothPrecision(precision.precision.value)
+    quantize = precision.get("quantize")
+    if quantize is None:
+        return SlothPrecision(precision.precision.value)
+    return SlothPrecision(
+        precision.precision.value, quantize=quantize, quantize_skip=list(precision.quantize_skip)
+    )
 
 
 def num_processes(trainer: DictConfig) -> int:

@@ -194,9 +194,15 @@ class LoraConfig:
 
 @dataclass
 class PrecisionConfig:
-    """``auto``: bf16-mixed on a CUDA GPU with bfloat16 support, else fp32."""
+    """``auto``: bf16-mixed on a CUDA GPU with bfloat16 support, else fp32.
+
+    ``quantize``: ``nf4``, ``nf4-dq`` or ``fp4`` stores the frozen base linear layers in 4 bits
+    (QLoRA); ``quantize_skip`` names the modules kept in the compute dtype.
+    """
 
     precision: PrecisionMode = PrecisionMode.auto
+    quantize: str | None = None
+    quantize_skip: list[str] = field(default_factory=lambda: ["lm_head"])
 
 
 @dataclass
@@ -482,6 +488,8 @@ def validate(cfg: DictConfig) -> None:
     _check_trainer(cfg.trainer, errors)
     _check_sloth(cfg.sloth, errors)
     _check_optimizer(cfg.optimizer, errors)
+    if cfg.precision.get("quantize") not in (None, "nf4", "nf4-dq", "fp4"):
+        errors.append(f"precision.quantize: must be null, 'nf4', 'nf4-dq' or 'fp4', got {cfg.precision.quantize!r}")
     if cfg.resume is not None and not cfg.resume:
         errors.append("resume: must be 'auto', a checkpoint path or null, got ''")
     if errors:

@@ -94,10 +94,13 @@ class OptimizerSettings:
 
 
 def flop_parameters(model: nn.Module) -> int:
-    """Parameters that cost matmul FLOPs per token: all but the input embedding, lm_head included."""
+    """Parameters that cost matmul FLOPs per token: all but the input embedding, lm_head included.
+
+    A 4-bit weight (``uint8`` codes, two per byte) counts two parameters per byte.
+    """
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    total = sum(p.numel() for p in model.parameters() if p is not embedding)
+    total = sum(p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in model.parameters() if p is not embedding)
     return total + (head.numel() if head is embedding else 0)
 
 

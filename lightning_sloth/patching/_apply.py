@@ -228,7 +228,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
     else:
         rows = _family_rows(family, config, settings, report.skipped)
     if settings.lora:
-        rows.append(_Row("lora", (LoraLinear,), _every(_forwards.lora_forward)))
+        rows.append(_Row("lora", (LoraLinear, *_bnb_lora_classes()), _every(_forwards.lora_forward)))
     report.skipped.update((op, "switched off") for op in OPS if not getattr(settings, op))
 
     foreign, lora_fallbacks = 0, []
@@ -257,6 +257,15 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
         report.skipped["foreign"] = f"{foreign} module(s) already had another library's instance forward"
     log.info("lightning_sloth kernels: %s", report)
     return report
+
+
+def _bnb_lora_classes() -> tuple[type, ...]:
+    """PEFT's LoRA layer over a bitsandbytes 4-bit linear, where bitsandbytes is installed."""
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:
+        return ()
+    return (Linear4bit,)
 
 
 def unpatch(model: nn.Module) -> int:

@@ -33,6 +33,7 @@ from lightning_sloth.ops.lora import fused_lora_forward
 from lightning_sloth.ops.rms_norm import rms_norm
 from lightning_sloth.ops.rope import apply_rope
 from lightning_sloth.patching.families import Family, NormStyle, RopeLayout
+from lightning_sloth.quant.lora import lora_4bit_forward
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,8 @@ def lora_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -
     """
     if not args and not kwargs:
         out = fused_lora_forward(self, x)
+        if out is None:
+            out = lora_4bit_forward(self, x)  # a 4-bit base (ours or bitsandbytes')
         if out is not None:
             return out
     _log_once(
@@ -302,6 +305,7 @@ def lora_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -
 def lora_fuses_now(module: LoraLinear) -> bool:
     """Whether ``module`` in its current state takes the fused path (probed with zero rows)."""
     weight = module.get_base_layer().weight
-    probe = torch.empty(0, module.in_features, dtype=weight.dtype, device=weight.device)
+    dtype = weight.dtype if weight.is_floating_point() else torch.float32  # 4-bit codes are uint8
+    probe = torch.empty(0, module.in_features, dtype=dtype, device=weight.device)
     with torch.no_grad():
-        return fused_lora_forward(module, probe) is not None
+        return fused_lora_forward(module, probe) is not None or lora_4bit_forward(module, probe) is not None

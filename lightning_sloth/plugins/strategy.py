@@ -153,6 +153,18 @@ class _SlothSetup:
         self.offloader = None
         self.sloth_report: SlothReport | None = None
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A 4-bit model's checkpoint fits the model only once the precision plugin has quantised it
+        # (in setup); Lightning otherwise restores the weights before.
+        return getattr(self.precision_plugin, "quantize", None) is not None or super().restore_checkpoint_after_setup
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        from lightning_sloth.quant.linear import check_checkpoint_quantization
+
+        check_checkpoint_quantization(self.lightning_module, checkpoint["state_dict"])
+        super().load_model_state_dict(checkpoint, strict=strict)
+
     def setup(self, trainer) -> None:
         report = transform_model(self.lightning_module, **self.sloth_settings)
         self.sloth_report = report

@@ -1,0 +1,174 @@
+"""QLoRA benchmark: 4-bit base weights, LoRA r=16 on the 7 projections, packed 16k-token steps.
+
+Systems (each in its own process; the step loop, timing and memory accounting are
+``lightning_sloth.bench.run_system``'s):
+
+    sloth_bf16         bf16 base weights, SlothStrategy(kernels=True) (our own 16-bit LoRA step)
+    sloth_nf4          NF4 base weights (built directly in 4 bits on the GPU, layer by layer)
+    sloth_nf4_offload  + activation offload ("on")
+    hf_bnb_packed      transformers + PEFT + bitsandbytes: the same NF4 weights as bitsandbytes
+                       Linear4bit layers, prepare_model_for_kbit_training, packed rows with SDPA
+
+    python benchmarks/qlora_bench.py --shape llama_3_1_8b --systems sloth_bf16,sloth_nf4,hf_bnb_packed --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+import torch
+
+from lightning_sloth import bench
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPES = {
+    "llama_3_1_8b": ("llama", bench.SHAPES["llama_3_1_8b"]),
+    "qwen3_14b": (
+        "qwen3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def model_config(shape: str):
+    from transformers import LlamaConfig, Qwen3Config
+
+    family, kwargs = SHAPES[shape]
+    cls = LlamaConfig if family == "llama" else Qwen3Config
+    return cls(**kwargs, attn_implementation="sdpa", use_cache=False)
+
+
+def quantized_model(shape: str, seed: int):
+    from lightning_sloth.quant import random_quantized
+
+    return random_quantized(model_config(shape), "nf4", device="cuda", dtype=torch.bfloat16, seed=seed)
+
+
+def add_lora(model, r: int):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+def sloth_system(quantize: bool, **settings):
+    def setup(workload: bench.Workload):
+        from transformers import AutoModelForCausalLM
+
+        from lightning_sloth.plugins.strategy import transform_model
+
+        if quantize:
+            model = quantized_model(workload.shape, workload.seed)
+        else:
+            torch.manual_seed(workload.seed)
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(model_config(workload.shape), dtype=torch.bfloat16)
+        model = add_lora(model, workload.lora_r)
+        model._sloth_report = transform_model(model, kernels=True, **settings)
+        return model
+
+    return setup
+
+
+def hf_bnb_system(workload: bench.Workload):
+    from peft import prepare_model_for_kbit_training
+
+    from lightning_sloth.quant import Linear4bit
+
+    model = quantized_model(workload.shape, workload.seed)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear4bit):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.to_bnb_module(torch.bfloat16))
+    model.is_loaded_in_4bit = True
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    return add_lora(model, workload.lora_r)
+
+
+SYSTEMS = {
+    "sloth_bf16": sloth_system(False),
+    "sloth_nf4": sloth_system(True),
+    "sloth_nf4_offload": sloth_system(True, offload="on"),
+    "hf_bnb_packed": hf_bnb_system,
+}
+
+
+def run_one(args) -> dict:
+    bench.SHAPES.setdefault(args.shape, SHAPES[args.shape][1])
+    for name, setup in SYSTEMS.items():
+        bench.SYSTEMS[name] = (setup, bench._packed_batches)
+    workload = bench.Workload(
+        shape=args.shape,
+        tokens_per_step=args.tokens_per_step,
+        timed_steps=args.timed_steps,
+        warmup_steps=args.warmup_steps,
+    )
+    if args.doc_len:  # one length for every document: a step of one long sequence
+        workload.median_len = workload.min_len = workload.max_len = args.doc_len
+        workload.sigma = 1e-6
+    samples = workload.samples(SHAPES[args.shape][1]["vocab_size"])
+    try:
+        result = bench.run_system(args.only, workload, samples, args.peak_tflops * 1e12)
+    except torch.OutOfMemoryError as err:
+        result = {"system": args.only, "oom": True, "error": str(err).splitlines()[0][:300]}
+    result["workload"] = asdict(workload)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama_3_1_8b", choices=sorted(SHAPES))
+    parser.add_argument("--systems", default="sloth_bf16,sloth_nf4,sloth_nf4_offload,hf_bnb_packed")
+    parser.add_argument("--tokens-per-step", type=int, default=16384)
+    parser.add_argument("--timed-steps", type=int, default=5)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument(
+        "--doc-len", type=int, default=0, help="every document this long (0: lognormal lengths)"
+    )
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--only", help=argparse.SUPPRESS)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.only:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
+    results = []
+    for name in args.systems.split(","):
+        cmd = [sys.executable, __file__, "--only", name] + [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in ("only", "out", "systems")
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        result = json.loads(lines[-1][7:]) if lines else {"system": name, "error": proc.stderr[-2000:]}
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "workload"}), flush=True)
+        report = {"environment": bench.environment(), "shape": args.shape, "results": results}
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

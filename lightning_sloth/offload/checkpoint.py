@@ -1,0 +1,294 @@
+"""Per-layer activation checkpointing of a transformers model, under the offloader and the plan.
+
+Every decoder layer runs under non-reentrant activation checkpointing. The offloader's
+saved-tensor hooks wrap the checkpoint call, so they see only what the checkpoint keeps for the
+backward: the layer's input. (Inside a checkpoint the innermost hooks win, so hooks installed
+there would silently turn recomputation off; they are never installed there.)
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_sloth.offload.hooks import ActivationOffloader
+from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
+
+log = logging.getLogger(__name__)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return getattr(module, "_orig_mod", module)  # torch.compile(layer) wraps it
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers model, plain or PEFT-wrapped.
+
+    Looks for ``nn.ModuleList`` s of ``GradientCheckpointingLayer`` s (entries wrapped by
+    ``torch.compile`` count): the one under ``model.get_decoder()`` when there are several,
+    else the longest.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def stacks(root: nn.Module) -> list[nn.ModuleList]:
+        return [
+            m
+            for m in root.modules()
+            if isinstance(m, nn.ModuleList)
+            and len(m) > 0
+            and all(isinstance(_unwrap(layer), GradientCheckpointingLayer) for layer in m)
+        ]
+
+    found = stacks(model)
+    if not found:
+        raise TypeError(
+            f"{type(model).__name__} has no nn.ModuleList of transformers GradientCheckpointingLayer "
+            "modules; apply_checkpointing supports transformers decoder models"
+        )
+    if len(found) > 1 and hasattr(model, "get_decoder"):
+        decoder = stacks(model.get_decoder())
+        found = decoder or found
+    return max(found, key=len)
+
+
+class CheckpointedLayers:
+    """The decoder layers under lightning_sloth's checkpointing, with their plan and offloader.
+
+    Made by :func:`apply_checkpointing`; each layer's ``_gradient_checkpointing_func`` calls
+    :meth:`run_layer` with its index. With a ``memory_budget``, the first training forward also
+    measures each layer (one extra forward per layer, its graph dropped at once) and installs
+    :func:`plan_layers`'s plan for the following steps.
+
+    Attributes:
+        layers: the decoder layers, in forward order.
+        plan: the mode of each layer.
+        offloader: the active offloader, or ``None``.
+        activation_bytes: measured bytes each layer saves without checkpointing (or ``None``).
+        input_bytes: measured bytes of each layer's input (or ``None``).
+        budget_bytes: the budget the plan was made for (or ``None``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        offloader: ActivationOffloader | None,
+        plan: Sequence[LayerMode] | None,
+        memory_budget: int | Literal["auto"] | None,
+        compile_layers: bool | dict[str, Any] = False,
+    ) -> None:
+        self.model = model
+        self.layers = list(find_decoder_layers(model))
+        self.offloader = offloader if offloader is not None and offloader.enabled else None
+        if plan is not None and memory_budget is not None:
+            raise ValueError("apply_checkpointing takes a plan or a memory_budget, not both")
+        if memory_budget is not None and memory_budget != "auto" and memory_budget < 0:
+            raise ValueError(f"memory_budget must be 'auto' or non-negative bytes, got {memory_budget}")
+        self.memory_budget = memory_budget
+        self.plan = self._check_plan(plan) if plan is not None else self._leanest_plan()
+        self.activation_bytes: list[int] | None = None
+        self.input_bytes: list[int] | None = None
+        self.budget_bytes: int | None = None
+        self._measured: list[tuple[int, int]] = []
+        # One compiled entry shared by all layers: they run the same code, so Dynamo builds one
+        # graph (module parameters are graph inputs), and the checkpoint and hooks stay eager.
+        options = compile_layers if isinstance(compile_layers, dict) else {}
+        self._compiled = torch.compile(_call_layer, **options) if compile_layers else None
+
+    def _leanest_plan(self) -> list[LayerMode]:
+        if self.offloader is None:
+            return ["recompute"] * len(self.layers)
+        return ["offload"] * (len(self.layers) - 1) + ["recompute"]
+
+    def _check_plan(self, plan: Sequence[LayerMode]) -> list[LayerMode]:
+        plan = list(plan)
+        if len(plan) != len(self.layers):
+            raise ValueError(f"plan has {len(plan)} entries for {len(self.layers)} decoder layers")
+        unknown = sorted({m for m in plan if m not in get_args(LayerMode)})
+        if unknown:
+            raise ValueError(f"unknown layer modes {unknown}; use {get_args(LayerMode)}")
+        if "offload" in plan and self.offloader is None:
+            raise ValueError("the plan offloads layers but no enabled ActivationOffloader was given")
+        if plan[-1] == "offload":
+            raise ValueError(
+                "the last layer's input is needed first in the backward: plan it 'recompute' or 'keep'"
+            )
+        return plan
+
+    @torch.compiler.disable  # an outer torch.compile stops here instead of tracing the hooks
+    def run_layer(self, index: int, forward, *args: Any) -> Any:
+        """Run layer ``index`` (``forward`` bound to its keyword arguments) under its mode."""
+        if torch.is_grad_enabled() and self.memory_budget is not None and self.activation_bytes is None:
+            self._measure(index, forward, args)
+        if self._compiled is not None:
+            forward = partial(self._compiled, forward)
+        mode = self.plan[index] if torch.is_grad_enabled() else "keep"
+        if mode == "keep":
+            return forward(*args)
+        if self.offloader is None:
+            return checkpoint(forward, *args, use_reentrant=False)
+        with self.offloader.saved_tensors_hooks(offload=mode == "offload"):
+            return checkpoint(forward, *args, use_reentrant=False)
+
+    def _measure(self, index: int, forward, args: tuple) -> None:
+        if index == 0:
+            self._measured = []
+            self.budget_bytes = self._budget(args)
+        # Parameters, buffers and the keyword tensors (rotary tables, packing metadata) are shared,
+        # not activations of this layer. Buffers matter for 4-bit weights: the block scales and code
+        # book a 4-bit layer saves for its backward are views of its buffers (the packed codes are
+        # its weight parameter), so they cost nothing per step and count for nothing here.
+        layer = self.layers[index]
+        shared = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+        keywords = forward.keywords.values() if isinstance(forward, partial) else ()
+        shared |= {t.untyped_storage().data_ptr() for t in _tensors(keywords)}
+        if self._compiled is not None:
+            forward = partial(self._compiled, forward)
+        saved: dict[int, int] = {}
+
+        def count(tensor: Tensor) -> Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in shared:
+                saved[storage.data_ptr()] = storage.nbytes()
+            # Detached: a saved *output* of a node packed as itself would reference its own
+            # grad_fn, a cycle in C++ that no collector breaks: the measuring forward's whole graph
+            # (every layer's activations) would stay alive for the rest of the run.
+            return tensor.detach()
+
+        device = next((t.device for t in _tensors(args)), torch.device("cpu"))
+        rng_devices = [device] if device.type == "cuda" else []
+        # The measuring forward must not shift the random streams the real forward sees.
+        with (
+            torch.random.fork_rng(devices=rng_devices),
+            torch.autograd.graph.saved_tensors_hooks(count, _same),
+        ):
+            forward(*args)
+        inputs = sum(t.numel() * t.element_size() for t in _tensors(args))
+        self._measured.append((sum(saved.values()), inputs))
+        if index == len(self.layers) - 1 and len(self._measured) == len(self.layers):
+            self.activation_bytes = [a for a, _ in self._measured]
+            self.input_bytes = [i for _, i in self._measured]
+            self.replan(self.budget_bytes)
+
+    def _budget(self, args: tuple) -> int | None:
+        if self.memory_budget != "auto":
+            return self.memory_budget
+        device = next((t.device for t in _tensors(args)), None)
+        if device is None or device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # Still to come after the first forward: gradients and two fp32 optimizer states of the
+        # trainable parameters (Adam-type), plus a tenth of the device for the loss and allocator slack.
+        later = sum(
+            p.numel() * (p.element_size() + 8)
+            for p in self.model.parameters()
+            if p.requires_grad and p.grad is None
+        )
+        return max(0, free + cached - later - total // 10)
+
+    def replan(self, budget_bytes: int | None) -> list[LayerMode]:
+        """Re-plan from the measured bytes for ``budget_bytes`` (``None``: keep the leanest plan)."""
+        if self.activation_bytes is None or self.input_bytes is None:
+            raise RuntimeError("replan needs measured layers: pass memory_budget and run one training step")
+        self.budget_bytes = budget_bytes
+        if budget_bytes is None:
+            self.plan = self._leanest_plan()
+        else:
+            self.plan = plan_layers(
+                len(self.layers),
+                self.activation_bytes,
+                self.input_bytes,
+                budget_bytes,
+                offload=self.offloader is not None,
+            )
+        if self.offloader is not None:
+            self.offloader.activation_bytes_hint = max(self.activation_bytes)
+        peak = plan_peak_bytes(self.plan, self.activation_bytes, self.input_bytes)
+        log.info(
+            "layer plan for a %s-byte budget: %s (estimated activation peak %d bytes)",
+            budget_bytes,
+            {mode: self.plan.count(mode) for mode in get_args(LayerMode)},
+            peak,
+        )
+        if budget_bytes is not None and peak > budget_bytes:
+            warnings.warn(
+                f"the leanest layer plan needs about {peak} bytes of activations, over the {budget_bytes}-byte budget",
+                stacklevel=2,
+            )
+        return self.plan
+
+    def remove(self) -> None:
+        """Turn checkpointing off on every layer (the layers run plainly again)."""
+        for layer in self.layers:
+            layer = _unwrap(layer)
+            layer.gradient_checkpointing = False
+            layer.__dict__.pop("_gradient_checkpointing_func", None)
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _call_layer(forward, *args: Any) -> Any:
+    return forward(*args)
+
+
+def _tensors(values) -> list[Tensor]:
+    out = []
+    for value in values:
+        if isinstance(value, Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(_tensors(value))
+    return out
+
+
+def apply_checkpointing(
+    model: nn.Module,
+    *,
+    offloader: ActivationOffloader | None = None,
+    plan: Sequence[LayerMode] | None = None,
+    memory_budget: int | Literal["auto"] | None = None,
+    compile_layers: bool | dict[str, Any] = False,
+) -> CheckpointedLayers:
+    """Checkpoint every decoder layer of a transformers model, wrapped by the offloader's hooks.
+
+    Sets each layer's ``gradient_checkpointing`` and ``_gradient_checkpointing_func`` (the hook
+    transformers' ``GradientCheckpointingLayer`` calls in training), so the model's forward is
+    untouched. Call it after PEFT wrapping and instead of ``gradient_checkpointing_enable``.
+
+    Regional compilation goes through ``compile_layers``: the compiled layer computation runs
+    inside the checkpoint, the checkpoint and the offloader's hooks stay eager around it (Dynamo
+    cannot trace saved-tensor hooks; with transformers >= 5.23 a ``layer.compile()`` would compile
+    nothing, because the checkpoint call sits inside the layer's own ``forward``).
+
+    Args:
+        model: a transformers model, plain or PEFT-wrapped.
+        offloader: moves checkpointed inputs to host memory (``None`` or disabled: plain
+            non-reentrant checkpointing).
+        plan: one mode per layer (``"keep"``, ``"recompute"``, ``"offload"``). Default: every
+            layer offloaded but the last (``"recompute"``); all ``"recompute"`` without an
+            offloader.
+        memory_budget: device bytes for the layers' activations, or ``"auto"`` (the device's free
+            memory at the first layer of the first step, less the gradients and Adam states of the
+            trainable parameters and a tenth of the device). The first training step measures
+            every layer and then :func:`plan_layers` decides per layer. Excludes ``plan``.
+        compile_layers: compile each layer's computation with ``torch.compile`` (``True``, or
+            a dict of ``torch.compile`` keyword arguments).
+
+    Returns:
+        The :class:`CheckpointedLayers` controller (plan, measurements, ``remove()``).
+    """
+    controller = CheckpointedLayers(model, offloader, plan, memory_budget, compile_layers)
+    for index, layer in enumerate(controller.layers):
+        layer = _unwrap(layer)
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = partial(controller.run_layer, index)
+    return controller

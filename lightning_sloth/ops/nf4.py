@@ -1,0 +1,301 @@
+"""4-bit base weights as ops: ``sloth::dequantize_4bit`` and the LoRA layer ``sloth::lora_linear_4bit``.
+
+The 4-bit weight (NF4/FP4 codes, two per byte, float32 block scales: the bitsandbytes layout, see
+``lightning_sloth.quant.formats``) is frozen. The LoRA layer dequantises it into a scratch buffer
+that is reused by every call of the same shape, dtype and device, then runs the same products as
+``sloth::lora_linear``::
+
+    forward   W  = dequant(packed)                     [out, in]  (scratch, never saved)
+              xa = x A^T;  y = x W^T + scale * xa B^T
+    backward  W  = dequant(packed)                     again, into the same scratch
+              g  = scale * (dy B);  dA = g^T x;  dB = dy^T (scale * xa);  dx = dy W + g A
+
+Saved for the backward: ``x``, ``xa`` and the 4-bit storage (a few bytes per weight), never a
+dequantised weight. A base layer without adapters is the rank-0 case (``A [0, in]``, ``B [out, 0]``).
+While anything traces, the scratch is a fresh tensor (a graph must not capture module state).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_sloth.ops._registry import (
+    TRITON_OPS,
+    call,
+    register_autograd,
+    register_flops,
+    sloth_op,
+    tracing,
+    use_triton,
+)
+
+if TRITON_OPS:
+    from lightning_sloth.kernels import nf4 as _kernels
+
+__all__ = ["dequantize_4bit", "dequantize_4bit_into", "lora_linear_4bit"]
+
+
+def dequantize_4bit_into(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out: Tensor) -> Tensor:
+    """Dequantise into ``out`` (contiguous, the weight's shape and the target dtype) and return it.
+
+    The Triton kernel on CUDA; elsewhere plain torch with the same arithmetic (one float32 product,
+    one rounding), so both give the same bits.
+    """
+    if use_triton(out):
+        return _kernels.dequantize_4bit(packed, absmax, code, blocksize, out)
+    n = out.numel()
+    flat = packed.reshape(-1)
+    codes = torch.stack((flat >> 4, flat & 15), dim=1).reshape(-1)[:n].long()
+    scales = absmax.repeat_interleave(blocksize)[:n]
+    return out.copy_((code[codes] * scales).view(out.shape))
+
+
+_SCRATCH: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The reusable ``[rows, cols]`` dequantisation buffer (a fresh one while tracing)."""
+    if tracing():
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    key = (rows, cols, dtype, device)
+    buffer = _SCRATCH.get(key)
+    if buffer is None:
+        buffer = _SCRATCH[key] = torch.empty(rows, cols, dtype=dtype, device=device)
+    return buffer
+
+
+def release_scratch() -> None:
+    """Free the dequantisation buffers (they are made again on the next call)."""
+    _SCRATCH.clear()
+
+
+@sloth_op("dequantize_4bit")
+def _dequantize_op(
+    packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, rows: int, cols: int, dtype: torch.dtype
+) -> Tensor:
+    out = torch.empty(rows, cols, dtype=dtype, device=packed.device)
+    return dequantize_4bit_into(packed, absmax, code, blocksize, out)
+
+
+@_dequantize_op.register_fake
+def _dequantize_fake(packed, absmax, code, blocksize, rows, cols, dtype):
+    return packed.new_empty((rows, cols), dtype=dtype)
+
+
+register_flops(_dequantize_op, lambda *args, out_shape=None: math.prod(out_shape))
+
+
+def dequantize_4bit(
+    packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, shape: tuple[int, int], dtype: torch.dtype
+) -> Tensor:
+    """The ``[rows, cols]`` weight in ``dtype`` (float16/bfloat16/float32) from its 4-bit storage.
+
+    Args:
+        packed: ``uint8`` codes, two per byte (``[ceil(n / 2), 1]``).
+        absmax: float32 ``[ceil(n / blocksize)]`` block scales (double-quantised scales decoded first).
+        code: float32 ``[16]`` code book.
+        blocksize: elements per block.
+        shape: ``(rows, cols)``.
+        dtype: output dtype.
+    """
+    _check_storage(packed, absmax, code, blocksize, math.prod(shape))
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"4-bit weights dequantise to float16/bfloat16/float32, not {dtype}")
+    return call(_dequantize_op, packed, absmax, code, int(blocksize), int(shape[0]), int(shape[1]), dtype)
+
+
+def _check_storage(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, n: int) -> None:
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"4-bit codes must be uint8, got {packed.dtype}")
+    if absmax.dtype != torch.float32 or code.dtype != torch.float32:
+        raise TypeError(f"absmax and code must be float32, got {absmax.dtype} and {code.dtype}")
+    if blocksize < 2 or blocksize % 2:
+        raise ValueError(f"blocksize must be even, got {blocksize}")
+    if packed.numel() != -(-n // 2) or absmax.numel() != -(-n // blocksize) or code.numel() != 16:
+        raise ValueError(
+            f"4-bit storage does not fit {n} elements: {packed.numel()} bytes, {absmax.numel()} scales "
+            f"(block {blocksize}), {code.numel()} codes"
+        )
+    if len({packed.device, absmax.device, code.device}) > 1:
+        raise ValueError(
+            f"4-bit storage tensors are on different devices: {packed.device}, {absmax.device}, {code.device}"
+        )
+
+
+# --------------------------------------------------------------------------------------- LoRA
+@sloth_op("lora_linear_4bit")
+def _lora_4bit_op(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(y [..., out], xa [N, r])``; ``xa`` is kept for the backward."""
+    out_features, in_features = lora_b.shape[0], x.shape[-1]
+    weight = dequantize_4bit_into(
+        packed, absmax, code, blocksize, _scratch(out_features, in_features, x.dtype, x.device)
+    )
+    rows = x.reshape(-1, in_features)
+    xa = rows @ lora_a.t()
+    y = torch.mm(rows, weight.t())
+    if lora_a.shape[0]:
+        y.addmm_(xa, lora_b.t(), alpha=scale)
+    return y.view(*x.shape[:-1], out_features), xa
+
+
+@_lora_4bit_op.register_fake
+def _lora_4bit_fake(x, packed, absmax, code, blocksize, lora_a, lora_b, scale):
+    y = x.new_empty((*x.shape[:-1], lora_b.shape[0]))
+    return y, x.new_empty((math.prod(x.shape[:-1]), lora_a.shape[0]))
+
+
+@sloth_op("lora_linear_4bit_backward")
+def _lora_4bit_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_x: bool,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(dx, dA, dB)``; gradients not asked for are empty tensors."""
+    dy = grad_y.reshape(-1, grad_y.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
+    dx = x.new_empty(0)
+    if grad_x:
+        weight = _scratch(lora_b.shape[0], x.shape[-1], x.dtype, x.device)
+        dx = torch.mm(dy, dequantize_4bit_into(packed, absmax, code, blocksize, weight))
+        if lora_a.shape[0]:
+            dx.addmm_(g, lora_a)
+        dx = dx.view(x.shape)
+    da = g.t() @ rows if grad_a else x.new_empty(0)
+    db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    return dx, da, db
+
+
+@_lora_4bit_backward_op.register_fake
+def _lora_4bit_backward_fake(
+    grad_y, x, xa, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_x, grad_a, grad_b
+):
+    return (
+        x.new_empty(x.shape) if grad_x else x.new_empty(0),
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, packed, absmax, code, blocksize, lora_a, lora_b, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], packed, absmax, code, lora_a, lora_b)
+    ctx.blocksize, ctx.scale = blocksize, scale
+
+
+def _backward(ctx, grad_y, _grad_xa):
+    x, xa, packed, absmax, code, lora_a, lora_b = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if need[2] or need[3]:
+        raise RuntimeError("sloth::lora_linear_4bit: the 4-bit base weight is frozen; it has no gradient")
+    dx, da, db = call(
+        _lora_4bit_backward_op,
+        grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale,
+        need[0], need[5], need[6],
+    )  # fmt: skip
+    return (
+        dx if need[0] else None, None, None, None, None,
+        da if need[5] else None, db if need[6] else None, None,
+    )  # fmt: skip
+
+
+register_autograd(_lora_4bit_op, _backward, _setup_context)
+
+
+def _forward_flops(x_shape, packed, absmax, code, blocksize, a_shape, b_shape, scale, out_shape=None) -> int:
+    n_rows, in_features = math.prod(x_shape[:-1]), x_shape[-1]
+    out_features, rank = b_shape
+    dequant = in_features * out_features
+    return 2 * n_rows * (in_features * out_features + in_features * rank + rank * out_features) + dequant
+
+
+def _backward_flops(
+    grad_y, x_shape, xa_shape, packed, absmax, code, blocksize, a_shape, b_shape, scale,
+    grad_x, grad_a, grad_b, out_shape=None,
+) -> int:  # fmt: skip
+    n_rows, in_features = xa_shape[0], x_shape[-1]
+    out_features, rank = b_shape
+    flops = 2 * n_rows * out_features * rank if (grad_x or grad_a) else 0
+    if grad_x:
+        flops += 2 * n_rows * (out_features * in_features + rank * in_features) + in_features * out_features
+    if grad_a:
+        flops += 2 * n_rows * rank * in_features
+    if grad_b:
+        flops += 2 * n_rows * out_features * rank
+    return flops
+
+
+register_flops(_lora_4bit_op, _forward_flops)
+register_flops(_lora_4bit_backward_op, _backward_flops)
+
+
+def lora_linear_4bit(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+) -> Tensor:
+    """``x @ W.T + scale * (x @ lora_a.T) @ lora_b.T`` with ``W`` the dequantised 4-bit weight.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32 input; the product runs in its dtype.
+        packed, absmax, code, blocksize: the frozen ``[out, in]`` weight's 4-bit storage (float32
+            block scales; see :func:`dequantize_4bit`).
+        lora_a: ``[r, in]`` adapter A in x's dtype (``r`` may be 0: no adapter).
+        lora_b: ``[out, r]`` adapter B in x's dtype.
+        scale: LoRA scaling.
+
+    Returns:
+        ``[..., out]`` in x's dtype. Gradients flow to x, lora_a and lora_b.
+    """
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"lora_linear_4bit computes in float16/bfloat16/float32, got x of dtype {x.dtype}")
+    if (
+        lora_a.dim() != 2
+        or lora_b.dim() != 2
+        or lora_a.shape[1] != x.shape[-1]
+        or lora_b.shape[1] != lora_a.shape[0]
+    ):
+        raise ValueError(
+            f"shapes do not fit a LoRA layer: x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)} [r, in], "
+            f"lora_b {tuple(lora_b.shape)} [out, r]"
+        )
+    if lora_a.dtype != x.dtype or lora_b.dtype != x.dtype:
+        raise TypeError(
+            f"x, lora_a and lora_b must share a dtype, got {x.dtype}, {lora_a.dtype}, {lora_b.dtype}"
+        )
+    _check_storage(packed, absmax, code, blocksize, lora_b.shape[0] * x.shape[-1])
+    if len({x.device, packed.device, lora_a.device, lora_b.device}) > 1:
+        raise ValueError(
+            f"x ({x.device}), the 4-bit weight ({packed.device}) and the adapters ({lora_a.device}) must "
+            "share a device"
+        )
+    y, _ = call(_lora_4bit_op, x, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale))
+    return y

@@ -1,0 +1,41 @@
+"""4-bit base weights for QLoRA: storage formats, the 4-bit linear layer, quantise-while-loading.
+
+The precision plugin (``lightning_sloth.plugins.SlothPrecision(quantize=...)``) is the face; this
+room holds what sits behind it:
+
+- :mod:`~lightning_sloth.quant.formats`: NF4 / NF4-DQ / FP4 storage in the bitsandbytes layout,
+  quantise and dequantise in plain torch, conversion to and from bitsandbytes' ``QuantState``;
+- :mod:`~lightning_sloth.quant.linear`: :class:`Linear4bit` and :func:`quantize_model` (in place);
+- :mod:`~lightning_sloth.quant.lora`: the PEFT LoRA forward over a 4-bit base (``sloth::lora_linear_4bit``);
+- :mod:`~lightning_sloth.quant.loading`: build a model on the meta device and fill it shard by
+  shard, quantising each weight as it arrives.
+
+The kernels are ``lightning_sloth.kernels.nf4`` behind the ops of ``lightning_sloth.ops.nf4``.
+"""
+
+from lightning_sloth.quant.formats import (
+    QUANT_TYPES,
+    Packed4bit,
+    dequantize_4bit_reference,
+    from_bnb,
+    quantize_4bit,
+    to_bnb,
+)
+from lightning_sloth.quant.linear import Linear4bit, four_bit_storage, quantize_model
+from lightning_sloth.quant.loading import load_quantized, random_quantized
+from lightning_sloth.quant.lora import lora_4bit_forward
+
+__all__ = [
+    "QUANT_TYPES",
+    "Linear4bit",
+    "Packed4bit",
+    "dequantize_4bit_reference",
+    "four_bit_storage",
+    "from_bnb",
+    "load_quantized",
+    "lora_4bit_forward",
+    "quantize_4bit",
+    "quantize_model",
+    "random_quantized",
+    "to_bnb",
+]

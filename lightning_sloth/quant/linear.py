@@ -1,0 +1,307 @@
+"""``Linear4bit``: a frozen linear layer whose weight lives in 4-bit storage, and the in-place conversion.
+
+The module is an ``nn.Linear`` (PEFT wraps it in its plain ``lora.Linear``, and ``in_features`` /
+``out_features`` mean what they always do) whose ``weight`` parameter holds the packed ``uint8``
+codes. The float32 parts of the storage (block scales, code books, offset) are kept as ``int32``
+buffers holding the same bits, so ``model.to(torch.bfloat16)`` (which Lightning's half precision
+applies to every floating-point tensor) moves them but can never round them.
+
+Its own forward (used where no LoRA adapter sits on it) runs ``sloth::lora_linear_4bit`` with a
+rank-0 adapter: the weight is dequantised into a reusable buffer, never kept for the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sloth.ops.nf4 import lora_linear_4bit
+from lightning_sloth.quant.formats import Packed4bit, check_quant_type, from_bnb, quantize_4bit, to_bnb
+
+_FLOAT_PARTS = ("code", "nested_absmax", "nested_code", "offset")
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.int32) if t.dtype == torch.float32 else t.reshape(-1)
+
+
+class Linear4bit(nn.Linear):
+    """A frozen ``[out, in]`` linear layer stored in NF4 / NF4-DQ / FP4 (the bitsandbytes layout).
+
+    Build it with :meth:`from_linear` (quantises) or :meth:`from_storage` (adopts existing storage,
+    e.g. a bitsandbytes ``Params4bit``). State-dict keys: ``weight`` (packed codes), ``absmax``,
+    ``code`` (and ``nested_absmax``, ``nested_code``, ``offset`` for ``nf4-dq``), ``bias``, plus an
+    extra state recording the format, which loading checks.
+
+    Attributes:
+        quant_type: ``"nf4"``, ``"nf4-dq"`` or ``"fp4"``.
+        blocksize: elements per block scale.
+        weight_dtype: the dtype the weight had before quantisation.
+    """
+
+    def __init__(self, storage: Packed4bit, bias: Tensor | None = None) -> None:
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = storage.shape
+        self.quant_type, self.blocksize, self.weight_dtype = (
+            storage.quant_type,
+            storage.blocksize,
+            storage.dtype,
+        )
+        self.weight = nn.Parameter(storage.packed, requires_grad=False)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+        absmax = storage.absmax
+        self.register_buffer("absmax", _bits(absmax))
+        self._absmax_float = absmax.dtype == torch.float32
+        for name in _FLOAT_PARTS:
+            part = getattr(storage, name)
+            if part is not None:
+                self.register_buffer(name, _bits(part))
+            else:
+                setattr(self, name, None)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, quant_type: str = "nf4", device: torch.device | str | None = None
+    ) -> Linear4bit:
+        """Quantise ``linear``'s weight (on ``device``, default where it is); the bias stays as it is."""
+        weight = linear.weight.detach()
+        if device is not None:
+            weight = weight.to(device)
+        storage = quantize_4bit(weight, check_quant_type(quant_type))
+        bias = linear.bias.detach().to(storage.packed.device) if linear.bias is not None else None
+        return cls(storage, bias)
+
+    @classmethod
+    def from_storage(cls, storage: Packed4bit, bias: Tensor | None = None) -> Linear4bit:
+        """Adopt existing 4-bit storage (nothing is re-quantised)."""
+        return cls(storage, bias)
+
+    def storage(self) -> Packed4bit:
+        """The weight's :class:`Packed4bit` (sharing this module's tensors)."""
+
+        def f32(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.view(torch.float32)
+
+        offset = f32(self.offset)
+        return Packed4bit(
+            packed=self.weight,
+            absmax=self.absmax.view(torch.float32) if self._absmax_float else self.absmax,
+            code=f32(self.code),
+            shape=(self.out_features, self.in_features),
+            dtype=self.weight_dtype,
+            quant_type=self.quant_type,
+            blocksize=self.blocksize,
+            nested_absmax=f32(self.nested_absmax),
+            nested_code=f32(self.nested_code),
+            offset=offset.reshape(()) if offset is not None else None,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = compute_dtype(x)
+        x = x.to(dtype)
+        empty = x.new_empty(0, self.in_features)
+        y = linear_4bit(x, self.storage(), empty, x.new_empty(self.out_features, 0), 0.0)
+        return y + self.bias.to(dtype) if self.bias is not None else y
+
+    def to_bnb_module(self, compute_dtype: torch.dtype | None = None) -> nn.Module:
+        """A bitsandbytes ``Linear4bit`` over the same storage (nothing is re-quantised or copied)."""
+        import bitsandbytes as bnb
+
+        packed, state = to_bnb(self.storage())
+        module = bnb.nn.Linear4bit(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=state.nested,
+            quant_type=state.quant_type,
+            device="meta",
+        )
+        module.weight = bnb.nn.Params4bit(
+            packed,
+            requires_grad=False,
+            quant_state=state,
+            blocksize=self.blocksize,
+            compress_statistics=state.nested,
+            quant_type=state.quant_type,
+            module=module,
+            bnb_quantized=True,
+        )
+        module.quant_state = state
+        if self.bias is not None:
+            module.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
+        return module
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {
+            "quant_type": self.quant_type,
+            "blocksize": self.blocksize,
+            "shape": [self.out_features, self.in_features],
+        }
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self.get_extra_state()
+        if state != mine:
+            raise ValueError(
+                f"checkpoint quantisation {state} does not match the model's 4-bit layer {mine}; "
+                "load it into a model quantised the same way"
+            )
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and weight.dtype != torch.uint8:
+            raise ValueError(
+                f"checkpoint holds {prefix}weight as {weight.dtype} {tuple(weight.shape)}, but the model stores "
+                f"it in 4 bits ({self.quant_type}); load the checkpoint into an unquantised model, or quantise "
+                "after loading"
+            )
+        if weight is not None and prefix + "_extra_state" not in state_dict:
+            raise ValueError(
+                f"checkpoint has 4-bit {prefix}weight without its quantisation record (_extra_state)"
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, quant_type={self.quant_type}"
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a layer computes in: the autocast dtype under autocast, else x's dtype."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def linear_4bit(x: Tensor, storage: Packed4bit, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+    """``sloth::lora_linear_4bit`` on a :class:`Packed4bit` (double-quantised scales decoded first)."""
+    return lora_linear_4bit(
+        x, storage.packed, storage.block_absmax(), storage.code, storage.blocksize, lora_a, lora_b, scale
+    )
+
+
+def four_bit_storage(module: nn.Module) -> Packed4bit | None:
+    """The 4-bit storage of a :class:`Linear4bit` or a bitsandbytes ``Linear4bit``, else None."""
+    if isinstance(module, Linear4bit):
+        return module.storage()
+    weight = getattr(module, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if type(weight).__name__ == "Params4bit" and state is not None:
+        return from_bnb(weight.data, state)
+    return None
+
+
+def _is_expert_container(module: nn.Module) -> bool:
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def quantize_model(
+    model: nn.Module,
+    quant_type: str = "nf4",
+    skip: Iterable[str] = ("lm_head",),
+    device: torch.device | str | None = None,
+) -> list[str]:
+    """Replace every frozen base ``nn.Linear`` of ``model`` with a :class:`Linear4bit`, in place.
+
+    Modules whose qualified name has a ``skip`` entry as one of its dot-separated parts (or equals it)
+    stay as they are; so do PEFT adapters (``lora_A``/``lora_B`` and the like, which train) and
+    trained copies (``modules_to_save``), and layers already in 4 bits (ours or bitsandbytes', which
+    train through the 4-bit path as they are). Quantised weights are frozen. Each weight is
+    quantised where it lives (or on ``device``) as it is reached, one layer at a time.
+
+    Args:
+        model: any module (a LightningModule, a PEFT model, a transformers model).
+        quant_type: ``"nf4"``, ``"nf4-dq"`` or ``"fp4"``.
+        skip: module names (or name parts) to keep in the compute dtype; ``lm_head`` by default.
+        device: where to quantise (default: where each weight is).
+
+    Returns:
+        The qualified names of the layers converted.
+
+    Raises:
+        NotImplementedError: for 3-D expert weights of MoE models (not quantised yet).
+        ValueError: if nothing could be quantised (and nothing was in 4 bits already).
+    """
+    check_quant_type(quant_type)
+    skip = tuple(skip)
+    converted: list[str] = []
+    already = 0
+    # Names, not modules: a list of modules would keep every replaced linear (and its 16-bit
+    # weight) alive until the end, and the whole model would sit in both formats at once.
+    for name in [name for name, _ in model.named_modules()]:
+        module = model.get_submodule(name)
+        if four_bit_storage(module) is not None:
+            already += name not in converted
+            continue
+        if _is_expert_container(module) and not _skipped(name, skip):
+            raise NotImplementedError(
+                f"{name} holds 3-D expert weights ({type(module).__name__}); 4-bit quantisation of MoE experts "
+                "is not implemented yet: add the experts module to quantize_skip to keep them in the compute dtype"
+            )
+        for child_name in [child_name for child_name, _ in module.named_children()]:
+            child = module.get_submodule(child_name)
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or _skipped(full, skip) or _is_adapter(full):
+                continue
+            setattr(module, child_name, Linear4bit.from_linear(child, quant_type, device))
+            converted.append(full)
+    if not converted and not already:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear layer to quantise to {quant_type} (skip={list(skip)}); "
+            "4-bit storage is for the frozen linear layers of a transformer"
+        )
+    return converted
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    return any(s == name or s in parts or name.endswith("." + s) for s in skip)
+
+
+def _is_adapter(name: str) -> bool:
+    """Whether ``name`` is inside a PEFT adapter or a trained copy (those stay in the compute dtype)."""
+    return any(
+        part.startswith(("lora_", "lokr_", "loha_", "ia3_")) or part in ("modules_to_save", "original_module")
+        for part in name.split(".")
+    )
+
+
+def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` if ``state_dict`` stores layers in 4 bits that ``model`` does not, or the reverse.
+
+    Compares the quantisation records (``<layer>._extra_state``) of the checkpoint with the
+    :class:`Linear4bit` layers of ``model``; a checkpoint written by a run with another
+    ``quantize`` setting would otherwise fail with a list of shape mismatches.
+    """
+    saved = {
+        key.removesuffix("._extra_state"): value["quant_type"]
+        for key, value in state_dict.items()
+        if key.endswith("._extra_state") and isinstance(value, dict) and "quant_type" in value
+    }
+    mine = {name: m.quant_type for name, m in model.named_modules() if isinstance(m, Linear4bit)}
+    if saved == mine:
+        return
+    if not mine:
+        raise ValueError(
+            f"the checkpoint stores {len(saved)} layers in 4 bits ({sorted(set(saved.values()))}, e.g. "
+            f"{next(iter(saved))}) but the model has none: resume with the same quantize setting "
+            "(SlothPrecision(quantize=...), precision.quantize)"
+        )
+    if not saved:
+        raise ValueError(
+            f"the model stores {len(mine)} layers in 4 bits ({sorted(set(mine.values()))}) but the checkpoint "
+            "has none: it was written without quantisation; resume without quantize, or load its weights "
+            "into an unquantised model and quantise after loading"
+        )
+    differ = sorted(set(saved.items()) ^ set(mine.items()))
+    raise ValueError(
+        f"the checkpoint's 4-bit layers do not match the model's: {len(differ)} differ, e.g. {differ[:2]} "
+        f"(checkpoint {sorted(set(saved.values()))}, model {sorted(set(mine.values()))})"
+    )

@@ -1,0 +1,58 @@
+"""The PEFT LoRA forward over a 4-bit base weight, through ``sloth::lora_linear_4bit``.
+
+Takes PEFT's plain ``lora.Linear`` around a :class:`~lightning_sloth.quant.linear.Linear4bit` and
+PEFT's ``lora.bnb.Linear4bit`` around a bitsandbytes ``Linear4bit`` (a model loaded with
+``BitsAndBytesConfig(load_in_4bit=True)``): the bitsandbytes storage is read as it is, nothing is
+re-quantised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit
+
+
+def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
+    """Forward of a PEFT LoRA layer with a 4-bit base, or None when it is outside the plain case.
+
+    The plain case: one active adapter, unmerged and enabled, no dropout, no DoRA or other variant,
+    no LoRA bias (a base bias is added). The product runs in the autocast dtype under autocast,
+    else in x's dtype; adapters stored in another dtype are cast to it (gradients flow through the
+    cast).
+
+    Args:
+        module: a PEFT ``LoraLayer``.
+        x: ``[..., in]`` input.
+
+    Returns:
+        ``[..., out]``, or None (the caller runs the module's own forward).
+    """
+    lora_a_modules = getattr(module, "lora_A", None)
+    if lora_a_modules is None or getattr(module, "merged", True) or getattr(module, "disable_adapters", True):
+        return None
+    if len(module.active_adapters) != 1:
+        return None
+    adapter = module.active_adapters[0]
+    if adapter not in lora_a_modules or adapter in getattr(module, "lora_variant", {}):
+        return None
+    if module.use_dora.get(adapter, False) or getattr(module, "fan_in_fan_out", False):
+        return None
+    base = module.get_base_layer()
+    storage = four_bit_storage(base)
+    lora_a, lora_b = lora_a_modules[adapter], module.lora_B[adapter]
+    if storage is None or not isinstance(module.lora_dropout[adapter], nn.Identity):
+        return None
+    if lora_a.bias is not None or lora_b.bias is not None:
+        return None
+    if x.device != storage.packed.device:
+        return None
+    dtype = compute_dtype(x)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    y = linear_4bit(
+        x.to(dtype), storage, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter]
+    )
+    bias = getattr(base, "bias", None)
+    return y + bias.to(dtype) if bias is not None else y
