@@ -248,6 +248,7 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
         "offload": sloth.offload.value,
         "memory_budget": int(budget) if budget is not None and budget != "auto" else budget,
         "compile": (compile_options or True) if sloth.compile else False,
+        "moe": sloth.moe,
     }
 
 
