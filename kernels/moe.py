@@ -212,10 +212,76 @@ def clamped_swiglu_backward(dout: torch.Tensor, h: torch.Tensor, alpha: float, l
 
 
 @triton.jit
+def _weighted_swiglu_forward_kernel(H, W, PERM, OUT, n_cols, stride_h, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(W + tl.load(PERM + row)).to(tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        gate = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * up * scale
+        tl.store(OUT + row * stride_out + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_swiglu_backward_kernel(
+    DOUT, H, W, PERM, DH, DW, n_cols, stride_dout, stride_h, stride_dh, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(PERM + row)
+    scale = tl.load(W + slot).to(tl.float32)
+    dot = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dout = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(H + row * stride_h + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(gate)
+        act = gate * s
+        dot += dout * act * up
+        d_gate = dout * scale * up * (s + act * (1.0 - s))
+        d_up = dout * scale * act
+        tl.store(DH + row * stride_dh + cols, d_gate.to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + row * stride_dh + n_cols + cols, d_up.to(DH.dtype.element_ty), mask=mask)
+    tl.store(DW + slot, tl.sum(dot, axis=0))
+
+
+def weighted_swiglu_forward(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up * w[perm[s]]`` of a concatenated ``[S, 2I]`` gate|up tensor -> ``[S, I]``."""
+    n_cols = h.shape[1] // 2
+    out = h.new_empty((h.shape[0], n_cols))
+    if out.numel() == 0:
+        return out
+    block = min(_ROW_BLOCK, triton.next_power_of_2(n_cols))
+    launchable(_weighted_swiglu_forward_kernel)[(h.shape[0],)](
+        h, weights, perm, out, n_cols, h.stride(0), out.stride(0), BLOCK=block
+    )
+    return out
+
+
+def weighted_swiglu_backward(
+    dout: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh [S, 2I], dw)``: dw float32 shaped like the flat weights, ``dw[perm[s]] = <dout_s, act_s>``."""
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    dw = torch.zeros(weights.shape, dtype=torch.float32, device=h.device)
+    if dh.numel() == 0:
+        return dh, dw
+    n_cols = h.shape[1] // 2
+    block = min(_ROW_BLOCK, triton.next_power_of_2(n_cols))
+    launchable(_weighted_swiglu_backward_kernel)[(h.shape[0],)](
+        dout, h, weights, perm, dh, dw, n_cols, dout.stride(0), h.stride(0), dh.stride(0), BLOCK=block
+    )
+    return dh, dw
+
+
+@triton.jit
 def _grouped_mm_kernel(
     X, W, OUT, TILE_EXPERT, TILE_ROW, ENDS, n_out, n_in,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     expert = tl.load(TILE_EXPERT + tile).to(tl.int64)
@@ -244,11 +310,11 @@ def _grouped_mm_kernel(
                 acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w.to(x.dtype), acc)
-        tl.store(
-            OUT + rows[:, None] * stride_om + cols[None, :] * stride_on,
-            acc.to(OUT.dtype.element_ty),
-            mask=row_mask[:, None] & col_mask[None, :],
-        )
+        out_ptrs = OUT + rows[:, None] * stride_om + cols[None, :] * stride_on
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
 
 
 def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,17 +332,22 @@ def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch
     return torch.where(valid, expert, -1).to(torch.int32), rows.to(torch.int32)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, w_is_kn: bool) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, w_is_kn: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ W_e``; ``W_e = w[e]`` if ``w_is_kn`` (``[E, K, N]``) else
     ``w[e].T`` (``[E, N, K]``). x ``[S, K]``, ends int32 ``[E]`` cumulative row ends; rows past the
-    last end are zero."""
+    last end are zero. With ``out`` given, the product is added to it in place (fp32 sum, one
+    rounding) and out is returned."""
     n_rows, n_in = x.shape
     experts = w.shape[0]
     n_out = w.shape[2] if w_is_kn else w.shape[1]
-    out = x.new_zeros((n_rows, n_out))
+    accumulate = out is not None
+    if out is None:
+        out = x.new_zeros((n_rows, n_out))
     if n_rows == 0 or n_out == 0:
         return out
-    block_m, block_n, block_k = 64, 64, 32
+    block_m, block_n, block_k = 64, 64, (16 if n_in <= 16 else 32)
     max_tiles = triton.cdiv(n_rows, block_m) + experts
     tile_expert, tile_row = _tile_table(ends, block_m, max_tiles)
     # (stride over K, stride over N) of W_e
@@ -285,7 +356,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, w_is_kn: bo
     launchable(_grouped_mm_kernel)[grid](
         x, w, out, tile_expert, tile_row, ends, n_out, n_in,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
-        BM=block_m, BN=block_n, BK=block_k,
+        BM=block_m, BN=block_n, BK=block_k, ACCUMULATE=accumulate,
     )  # fmt: skip
     return out
 

@@ -25,9 +25,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.moe.ops import clamped_swiglu, grouped_mm, moe_combine, moe_gather
+from lightning_sloth.moe.ops import (
+    clamped_swiglu,
+    grouped_mm,
+    lora_grouped_mm,
+    moe_combine,
+    moe_gather,
+    moe_sum,
+    weighted_swiglu,
+)
 from lightning_sloth.moe.routing import group_by_expert
-from lightning_sloth.ops.glu import swiglu
 
 __all__ = [
     "EXPERTS_NAME",
@@ -117,27 +124,33 @@ def _project(
     x: Tensor, weight: Tensor, bias: Tensor | None, grouping, transposed: bool, lora: LoraFactors | None
 ) -> Tensor:
     dtype = x.dtype
-    out = grouped_mm(
+    bias = None if bias is None else bias.to(dtype)
+    if lora is None:
+        return grouped_mm(
+            x,
+            weight.to(dtype),
+            grouping.ends,
+            transposed=transposed,
+            bias=bias,
+            expert_ids=grouping.expert_ids,
+        )
+    return lora_grouped_mm(
         x,
         weight.to(dtype),
+        lora.a.to(dtype),
+        lora.b.to(dtype),
+        lora.scale,
         grouping.ends,
         transposed=transposed,
-        bias=None if bias is None else bias.to(dtype),
+        bias=bias,
         expert_ids=grouping.expert_ids,
     )
-    if lora is not None:
-        xa = grouped_mm(x, lora.a.to(dtype), grouping.ends)
-        out = out + grouped_mm(xa * lora.scale, lora.b.to(dtype).contiguous(), grouping.ends)
-    return out
 
 
 def _activate(experts: nn.Module, layout: ExpertLayout, h: Tensor) -> Tensor:
     if layout.clamped:
         return clamped_swiglu(h, experts.alpha, experts.limit)
     gate, up = h.chunk(2, dim=-1)
-    if getattr(experts.config, "hidden_act", None) in _SILU:
-        # gate and up are a fresh GEMM output read by nothing else: their gradients may overwrite them
-        return swiglu(gate, up, inplace_backward=True)
     return experts.act_fn(gate) * up
 
 
@@ -185,6 +198,9 @@ def experts_forward(
     setattr(experts, COUNTS_ATTR, grouping.counts)
 
     x = moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k)
+    # Without biases the down projection is linear, so the routing weights may scale its input:
+    # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
+    weight_first = not layout.bias and not layout.clamped and experts.config.hidden_act in _SILU
     h = _project(
         x,
         experts.gate_up_proj,
@@ -193,7 +209,10 @@ def experts_forward(
         layout.transposed,
         lora.get("gate_up_proj"),
     )
-    a = _activate(experts, layout, h)
+    if weight_first:
+        a = weighted_swiglu(h, top_k_weights, grouping.perm)
+    else:
+        a = _activate(experts, layout, h)
     y = _project(
         a,
         experts.down_proj,
@@ -202,7 +221,11 @@ def experts_forward(
         layout.transposed,
         lora.get("down_proj"),
     )
-    return moe_combine(y, top_k_weights, grouping.perm, grouping.inv).to(hidden_states.dtype)
+    if weight_first:
+        out = moe_sum(y, grouping.perm, grouping.inv, top_k)
+    else:
+        out = moe_combine(y, top_k_weights, grouping.perm, grouping.inv)
+    return out.to(hidden_states.dtype)
 
 
 def register() -> None:

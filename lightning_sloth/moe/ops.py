@@ -40,6 +40,9 @@ if TRITON_OPS:
 
 __all__ = [
     "clamped_swiglu",
+    "lora_grouped_mm",
+    "moe_sum",
+    "weighted_swiglu",
     "clamped_swiglu_reference",
     "grouped_mm",
     "grouped_mm_reference",
@@ -295,29 +298,41 @@ def _gather_fake(x, perm, inv, top_k):
 
 
 @sloth_op("moe_gather_sum")
-def _gather_sum_op(src: Tensor, inv: Tensor, top_k: int) -> Tensor:
-    """``[T, H]``: token t sums rows ``inv[t k : t k + k]`` in fp32 (the gather's backward)."""
+def _gather_sum_op(src: Tensor, perm: Tensor, inv: Tensor, top_k: int) -> Tensor:
+    """``[T, H]``: token t sums rows ``inv[t k : t k + k]`` in fp32 (the gather's backward, and the
+    combine of rows already scaled by their routing weights)."""
     return _gather_sum(src, inv, top_k, None)
 
 
 @_gather_sum_op.register_fake
-def _gather_sum_fake(src, inv, top_k):
+def _gather_sum_fake(src, perm, inv, top_k):
     return src.new_empty((inv.shape[0] // top_k, src.shape[1]))
 
 
 def _gather_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
+    ctx.save_for_backward(inputs[1], inputs[2])
     ctx.top_k = inputs[3]
 
 
 def _gather_backward(ctx, grad):
-    (inv,) = ctx.saved_tensors
-    return call(_gather_sum_op, grad.contiguous(), inv, ctx.top_k), None, None, None
+    perm, inv = ctx.saved_tensors
+    return call(_gather_sum_op, grad.contiguous(), perm, inv, ctx.top_k), None, None, None
+
+
+def _gather_sum_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+    ctx.top_k = inputs[3]
+
+
+def _gather_sum_backward(ctx, grad):
+    perm, inv = ctx.saved_tensors
+    return call(_gather_op, grad.contiguous(), perm, inv, ctx.top_k), None, None, None
 
 
 register_autograd(_gather_op, _gather_backward, _gather_setup)
+register_autograd(_gather_sum_op, _gather_sum_backward, _gather_sum_setup)
 register_flops(_gather_op, lambda x, perm, inv, top_k, out_shape=None: 0)
-register_flops(_gather_sum_op, lambda src, inv, top_k, out_shape=None: math.prod(src))
+register_flops(_gather_sum_op, lambda src, perm, inv, top_k, out_shape=None: math.prod(src))
 
 
 @sloth_op("moe_combine")
@@ -397,6 +412,21 @@ def moe_gather(x: Tensor, perm: Tensor, inv: Tensor, top_k: int) -> Tensor:
     return call(_gather_op, x, perm, inv, int(top_k))
 
 
+def moe_sum(y: Tensor, perm: Tensor, inv: Tensor, top_k: int) -> Tensor:
+    """Sum of each token's ``k`` rows (already scaled by their routing weights), in fp32.
+
+    Args:
+        y: ``[S, H]`` rows in expert order.
+        perm: int64 ``[S]`` sorted position -> slot.
+        inv: int64 ``[S]`` slot -> sorted position.
+        top_k: experts per token.
+
+    Returns:
+        ``[T, H]`` in y's dtype.
+    """
+    return call(_gather_sum_op, y, perm, inv, int(top_k))
+
+
 def moe_combine(y: Tensor, weights: Tensor, perm: Tensor, inv: Tensor) -> Tensor:
     """Weighted sum of each token's ``k`` expert rows, in fp32, with gradients to y and the weights.
 
@@ -473,3 +503,281 @@ def clamped_swiglu(h: Tensor, alpha: float, limit: float) -> Tensor:
     if h.stride(1) != 1:
         h = h.contiguous()
     return call(_clamped_swiglu_op, h, float(alpha), float(limit))
+
+
+# ------------------------------------------------------------------ routing-weighted SwiGLU
+def _weighted_swiglu_reference(h: Tensor, weights: Tensor, perm: Tensor) -> Tensor:
+    compute = torch.promote_types(h.dtype, torch.float32)
+    gate, up = h.to(compute).chunk(2, dim=-1)
+    scale = weights.reshape(-1).to(compute)[perm, None]
+    return (torch.nn.functional.silu(gate) * up * scale).to(h.dtype)
+
+
+def _weighted_swiglu_backward_reference(grad: Tensor, h: Tensor, weights: Tensor, perm: Tensor):
+    compute = torch.promote_types(h.dtype, torch.float32)
+    gate, up = h.to(compute).chunk(2, dim=-1)
+    dy = grad.to(compute)
+    scale = weights.reshape(-1).to(compute)[perm, None]
+    s = torch.sigmoid(gate)
+    act = gate * s
+    dh = torch.cat((dy * scale * up * (s + act * (1 - s)), dy * scale * act), dim=-1)
+    dw = torch.empty(weights.numel(), dtype=compute, device=h.device)
+    dw[perm] = (dy * act * up).sum(-1)
+    return dh.to(h.dtype), dw
+
+
+@sloth_op("moe_weighted_swiglu")
+def _weighted_swiglu_op(h: Tensor, weights: Tensor, perm: Tensor) -> Tensor:
+    """``[S, I]``: ``silu(gate) * up * weights.flat[perm[s]]`` of a concatenated ``[S, 2I]`` gate|up."""
+    if use_triton(h):
+        return _kernels.weighted_swiglu_forward(h, weights.reshape(-1), perm)
+    return _weighted_swiglu_reference(h, weights, perm)
+
+
+@_weighted_swiglu_op.register_fake
+def _weighted_swiglu_fake(h, weights, perm):
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
+@sloth_op("moe_weighted_swiglu_backward")
+def _weighted_swiglu_backward_op(
+    grad: Tensor, h: Tensor, weights: Tensor, perm: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(dh [S, 2I], dweights like weights)``."""
+    if use_triton(h):
+        dh, dw = _kernels.weighted_swiglu_backward(grad, h, weights.reshape(-1), perm)
+    else:
+        dh, dw = _weighted_swiglu_backward_reference(grad, h, weights, perm)
+    return dh, dw.view(weights.shape).to(weights.dtype)
+
+
+@_weighted_swiglu_backward_op.register_fake
+def _weighted_swiglu_backward_fake(grad, h, weights, perm):
+    return h.new_empty(h.shape), weights.new_empty(weights.shape)
+
+
+def _weighted_swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_swiglu_backward(ctx, grad):
+    h, weights, perm = ctx.saved_tensors
+    dh, dw = call(_weighted_swiglu_backward_op, grad.contiguous(), h, weights, perm)
+    return dh, dw, None
+
+
+register_autograd(_weighted_swiglu_op, _weighted_swiglu_backward, _weighted_swiglu_setup)
+register_flops(_weighted_swiglu_op, lambda h, weights, perm, out_shape=None: 3 * math.prod(h))
+register_flops(_weighted_swiglu_backward_op, lambda grad, h, weights, perm, out_shape=None: 6 * math.prod(h))
+
+
+def weighted_swiglu(h: Tensor, weights: Tensor, perm: Tensor) -> Tensor:
+    """SwiGLU of expert rows times each row's routing weight, with gradients to h and the weights.
+
+    Scaling before the (linear, bias-free) down projection is the same as scaling its output, and
+    the weights' gradient ``<grad_s, act_s>`` then needs only h, which the activation keeps anyway:
+    the ``[S, H]`` expert outputs need not be kept for the router's gradient.
+
+    Args:
+        h: ``[S, 2I]`` gate columns then up columns, unit column stride.
+        weights: ``[T, k]`` routing weights (contiguous).
+        perm: int64 ``[S]`` sorted position -> slot (``t * k + j``).
+
+    Returns:
+        ``[S, I]`` in h's dtype.
+    """
+    if h.dim() != 2 or h.shape[1] % 2 or perm.shape[0] != h.shape[0] or weights.numel() != h.shape[0]:
+        raise ValueError(
+            f"weighted_swiglu: h {tuple(h.shape)} must be [S, 2I] with S = weights.numel() "
+            f"({weights.numel()}) = len(perm) ({perm.shape[0]})"
+        )
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    return call(_weighted_swiglu_op, h, weights.contiguous(), perm)
+
+
+# ------------------------------------------------------------------ grouped GEMM with LoRA
+def _mm_into(out: Tensor, x: Tensor, weight: Tensor, ends: Tensor, w_is_kn: bool) -> Tensor:
+    """``out[rows of e] += x[rows of e] @ W_e`` in place (a rank-r update: x has r columns)."""
+    if use_triton(out):
+        return _kernels.grouped_mm(x, weight, ends, w_is_kn, out=out)
+    return out.add_(grouped_mm_reference(x, weight, ends, transposed=w_is_kn))
+
+
+@sloth_op("moe_lora_grouped_mm")
+def _lora_grouped_mm_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    ends: Tensor,
+    expert_ids: Tensor,
+    transposed: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(out [S, N], xa [S, r])``: ``out = x W_e (+ b_e) + scale (x A_e^T) B_e^T``; xa is kept for the backward."""
+    out = _mm(x, weight, ends, w_is_kn=transposed)
+    if bias is not None:
+        if use_triton(out):
+            _kernels.add_group_bias(out, bias, expert_ids)
+        else:
+            out = out + bias.index_select(0, expert_ids)
+    xa = _mm(x, lora_a, ends, w_is_kn=False)
+    _mm_into(out, xa * scale, lora_b, ends, w_is_kn=False)
+    return out, xa
+
+
+@_lora_grouped_mm_op.register_fake
+def _lora_grouped_mm_fake(x, weight, bias, lora_a, lora_b, scale, ends, expert_ids, transposed):
+    n = weight.shape[2] if transposed else weight.shape[1]
+    return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], lora_a.shape[1]))
+
+
+@sloth_op("moe_lora_grouped_mm_backward")
+def _lora_grouped_mm_backward_op(
+    grad: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    ends: Tensor,
+    transposed: bool,
+    need_x: bool,
+    need_w: bool,
+    need_a: bool,
+    need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dW, dA, dB)``; a gradient not asked for is an empty tensor."""
+    empty = grad.new_empty(0)
+    g = _mm(grad, lora_b, ends, w_is_kn=True) * scale if (need_x or need_a) else None  # [S, r]
+    dx = (
+        _mm_into(_mm(grad, weight, ends, w_is_kn=not transposed), g, lora_a, ends, w_is_kn=True)
+        if need_x
+        else empty
+    )
+    if need_w:
+        dw = _weight_grad(x, grad, ends) if transposed else _weight_grad(grad, x, ends)
+    else:
+        dw = empty
+    da = _weight_grad(g, x, ends) if need_a else empty
+    db = _weight_grad(grad, xa * scale, ends) if need_b else empty
+    return dx, dw, da, db
+
+
+@_lora_grouped_mm_backward_op.register_fake
+def _lora_grouped_mm_backward_fake(
+    grad, x, xa, weight, lora_a, lora_b, scale, ends, transposed, need_x, need_w, need_a, need_b
+):
+    empty = grad.new_empty(0)
+    return (
+        x.new_empty(x.shape) if need_x else empty,
+        weight.new_empty(weight.shape) if need_w else empty,
+        lora_a.new_empty(lora_a.shape) if need_a else empty,
+        lora_b.new_empty(lora_b.shape) if need_b else empty,
+    )
+
+
+def _lora_grouped_mm_setup(ctx, inputs, output):
+    x, weight, bias, lora_a, lora_b, scale, ends, expert_ids, transposed = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], weight, lora_a, lora_b, ends, expert_ids)
+    ctx.scale, ctx.transposed = scale, transposed
+    ctx.bias_shape = None if bias is None else tuple(bias.shape)
+
+
+def _lora_grouped_mm_backward(ctx, grad, _grad_xa):
+    x, xa, weight, lora_a, lora_b, ends, expert_ids = ctx.saved_tensors
+    need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+    grad = grad.contiguous()
+    dx, dw, da, db = call(
+        _lora_grouped_mm_backward_op,
+        grad, x, xa, weight, lora_a, lora_b, ctx.scale, ends, ctx.transposed, need_x, need_w, need_a, need_b,
+    )  # fmt: skip
+    dbias = None
+    if need_bias:
+        compute = torch.promote_types(grad.dtype, torch.float32)
+        dbias = grad.new_zeros(ctx.bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
+        dbias = dbias.to(grad.dtype)
+    return (
+        dx if need_x else None,
+        dw if need_w else None,
+        dbias,
+        da if need_a else None,
+        db if need_b else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+register_autograd(_lora_grouped_mm_op, _lora_grouped_mm_backward, _lora_grouped_mm_setup)
+
+
+def _lora_flops(rows: int, weight_shape, a_shape) -> int:
+    rank, n_in = a_shape[1], a_shape[2]
+    n_out = weight_shape[1] * weight_shape[2] // n_in
+    return 2 * rows * (n_in * n_out + rank * (n_in + n_out))
+
+
+register_flops(
+    _lora_grouped_mm_op,
+    lambda x, weight, bias, a, b, scale, ends, ids, transposed, out_shape=None: _lora_flops(x[0], weight, a),
+)
+register_flops(
+    _lora_grouped_mm_backward_op,
+    lambda grad, x, xa, weight, a, b, scale, ends, transposed, nx, nw, na, nb, out_shape=None: (
+        (int(nx) + int(nw)) * _gemm_flops(grad[0], weight) + 2 * _lora_flops(grad[0], weight, a)
+    ),
+)
+
+
+def lora_grouped_mm(
+    x: Tensor,
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    ends: Tensor,
+    *,
+    transposed: bool = False,
+    bias: Tensor | None = None,
+    expert_ids: Tensor | None = None,
+) -> Tensor:
+    """Grouped GEMM plus per-expert LoRA, never forming ``W_e + s B_e A_e``.
+
+    ``out = x W_e (+ b_e) + s (x A_e^T) B_e^T`` per expert group; the rank-r update is added into the
+    base output by the GEMM's epilogue (Triton) and, in the backward, into the input's gradient.
+
+    Args:
+        x: ``[S, in]`` rows in expert order.
+        weight: the frozen base weight, ``[E, out, in]`` or (``transposed``) ``[E, in, out]``.
+        lora_a: ``[E, r, in]``.
+        lora_b: ``[E, out, r]``.
+        scale: the LoRA scaling.
+        ends: int32 ``[E]`` cumulative row ends.
+        transposed: the base weight layout.
+        bias: optional ``[E, out]``.
+        expert_ids: int64 ``[S]`` expert of each row; needed with a bias.
+
+    Returns:
+        ``[S, out]`` in x's dtype; gradients reach x, lora_a and lora_b (and weight/bias if they train).
+    """
+    n_in = weight.shape[1] if transposed else weight.shape[2]
+    n_out = weight.shape[2] if transposed else weight.shape[1]
+    experts, rank = lora_a.shape[0], lora_a.shape[1]
+    if lora_a.shape != (experts, rank, n_in) or lora_b.shape != (experts, n_out, rank) or x.shape[1] != n_in:
+        raise ValueError(
+            f"lora_grouped_mm: x {tuple(x.shape)}, weight {tuple(weight.shape)} (transposed={transposed}), "
+            f"lora_a {tuple(lora_a.shape)} [E, r, in], lora_b {tuple(lora_b.shape)} [E, out, r] do not fit"
+        )
+    if bias is not None and expert_ids is None:
+        raise ValueError("lora_grouped_mm: a bias needs expert_ids")
+    ids = expert_ids if expert_ids is not None else ends.new_zeros(0, dtype=torch.int64)
+    out, _ = call(
+        _lora_grouped_mm_op, x, weight, bias, lora_a, lora_b.contiguous(), float(scale), ends, ids, transposed
+    )
+    return out
