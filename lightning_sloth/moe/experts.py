@@ -197,12 +197,13 @@ def experts_forward(
     grouping = group_by_expert(top_k_index, num_experts)
     setattr(experts, COUNTS_ATTR, grouping.counts)
 
-    x = moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k)
+    # Intermediates are not kept in locals longer than needed: autograd keeps what the backward
+    # needs, and a local would hold e.g. the [S, H] gathered rows through the whole layer.
     # Without biases the down projection is linear, so the routing weights may scale its input:
     # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
     weight_first = not layout.bias and not layout.clamped and experts.config.hidden_act in _SILU
     h = _project(
-        x,
+        moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k),
         experts.gate_up_proj,
         experts.gate_up_proj_bias if layout.bias else None,
         grouping,
@@ -213,6 +214,7 @@ def experts_forward(
         a = weighted_swiglu(h, top_k_weights, grouping.perm)
     else:
         a = _activate(experts, layout, h)
+    del h
     y = _project(
         a,
         experts.down_proj,
@@ -221,6 +223,7 @@ def experts_forward(
         layout.transposed,
         lora.get("down_proj"),
     )
+    del a
     if weight_first:
         out = moe_sum(y, grouping.perm, grouping.inv, top_k)
     else:

@@ -134,7 +134,7 @@ def test_no_host_sync_in_a_training_step_with_lora_on_experts():
         block,
     )
     block = block.to("cuda", torch.bfloat16)
-    block.experts.config._experts_implementation = "sloth"
+    block.experts.get_base_layer().config._experts_implementation = "sloth"
     assert install_lora_experts(block) == ["experts"]
     params = [p for p in block.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, capturable=True, foreach=True)
