@@ -290,7 +290,12 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from lightning_sloth.offload import OffloadStatsCallback
-    from lightning_sloth.plugins import ExpertLoadMonitor, GradientFlowGuard, SaveAdapter, SlothThroughputMonitor
+    from lightning_sloth.plugins import (
+        ExpertLoadMonitor,
+        GradientFlowGuard,
+        SaveAdapter,
+        SlothThroughputMonitor,
+    )
 
     output_dir = Path(output_dir)
     checkpoint = ModelCheckpoint(
