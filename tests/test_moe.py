@@ -383,3 +383,23 @@ def test_app_trains_the_moe_presets_with_lora_on_experts(tmp_path, preset, extra
     assert "(2 with LoRA inside the grouped GEMMs)" in log
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_parameters"]) == sorted(EXPERT_LORA)
+
+
+def test_moe_block_compiles_fullgraph_with_the_same_result():
+    """The experts path is made of torch.library ops with fake and autograd implementations, so
+    Dynamo traces a whole MoE block (router, grouping, ops) in one graph."""
+    register()
+    model = tiny_moe("qwen3_moe").train()
+    model.set_experts_implementation("sloth")
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 9, 32, requires_grad=True)
+    grad = torch.randn(1, 9, 32)
+    expected = block(x)
+    expected_grads = torch.autograd.grad(expected, [x, *block.parameters()], grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    grads = torch.autograd.grad(out, [x, *block.parameters()], grad)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
