@@ -403,3 +403,20 @@ def test_moe_block_compiles_fullgraph_with_the_same_result():
     torch.testing.assert_close(out, expected)
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_moe_example_runs(tmp_path):
+    """examples/moe_lora.py as a user runs it (reduced step count)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "moe_lora.py"
+    spec = importlib.util.spec_from_file_location("moe_lora", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    metrics = example.main(max_steps=5, out=str(tmp_path))
+    assert {"train/loss", "val/loss", "moe/load_max_over_mean"} <= set(metrics)
+    assert 1.0 <= metrics["moe/load_max_over_mean"] <= 8 / 2
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == sorted(EXPERT_LORA)
