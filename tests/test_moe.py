@@ -390,7 +390,7 @@ def test_moe_block_compiles_fullgraph_with_the_same_result():
     Dynamo traces a whole MoE block (router, grouping, ops) in one graph."""
     register()
     model = tiny_moe("qwen3_moe").train()
-    model.set_experts_implementation("sloth")
+    apply_experts(model)  # sloth experts and float32 routers
     block = model.model.layers[0].mlp
     x = torch.randn(1, 9, 32, requires_grad=True)
     grad = torch.randn(1, 9, 32)
@@ -420,3 +420,28 @@ def test_moe_example_runs(tmp_path):
     assert 1.0 <= metrics["moe/load_max_over_mean"] <= 8 / 2
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_parameters"]) == sorted(EXPERT_LORA)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routers_get_float32_logits_with_the_family_rule(family):
+    register()
+    model = tiny_moe(family)
+    mlp = model.model.layers[0].mlp
+    router = getattr(mlp, "gate", None) or mlp.router
+    x = torch.randn(9, 32)
+    expected = router(x)
+    report = apply_experts(model)
+    assert len(report.routers) == 2
+    got = router(x)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    apply_kernels(model)  # the kernels' patching leaves the routers to apply_experts
+    model.to(torch.bfloat16)
+    logits, weights, index = router(x.bfloat16())
+    assert logits.dtype == torch.float32
+    exact = F.linear(
+        x.bfloat16().float(), router.weight.float(), None if family != "gpt_oss" else router.bias.float()
+    )
+    torch.testing.assert_close(logits, exact)
+    apply_experts(model, enabled=False)
+    assert router(x.bfloat16())[0].dtype == torch.bfloat16  # transformers' own router again

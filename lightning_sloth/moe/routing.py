@@ -23,7 +23,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["ROUTERS", "Grouping", "group_by_expert", "route_softmax_topk", "route_topk_softmax"]
+__all__ = [
+    "ROUTERS",
+    "Grouping",
+    "group_by_expert",
+    "route_softmax_topk",
+    "route_topk_softmax",
+    "router_logits",
+]
 
 
 class Grouping(NamedTuple):
@@ -62,6 +69,19 @@ def group_by_expert(top_k_index: Tensor, num_experts: int) -> Grouping:
     positions = torch.arange(flat.shape[0], device=flat.device)
     inv = torch.empty_like(perm).scatter_(0, perm, positions)
     return Grouping(perm, inv, expert_ids.to(torch.int64), ends, counts)
+
+
+def router_logits(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``[T, E]`` router logits computed in float32 (autocast off), whatever the model's dtype.
+
+    A bf16 logit carries 8 bits of mantissa, so near-tied experts are chosen by rounding; the
+    router's GEMM is small (``E`` columns), so float32 costs little. Gradients flow to the
+    hidden states and the router's weight and bias in their own dtypes.
+    """
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return torch.nn.functional.linear(
+            hidden_states.float(), weight.float(), None if bias is None else bias.float()
+        )
 
 
 def route_softmax_topk(

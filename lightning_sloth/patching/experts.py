@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_sloth.patching import _forwards
 from lightning_sloth.patching._apply import _base_model
 from lightning_sloth.patching.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExpertsReport", "apply_experts", "moe_families"]
+__all__ = ["ExpertsReport", "apply_experts", "moe_families", "router_forward"]
 
 
 def moe_families() -> list[str]:
@@ -29,12 +30,14 @@ class ExpertsReport:
         implementation: the experts implementation selected now (None for a dense model).
         experts: qualified names of the experts modules.
         lora: qualified names of the PEFT wrappers whose LoRA runs inside the grouped GEMMs.
+        routers: qualified names of the routers computing their logits in float32.
     """
 
     model_type: str | None
     implementation: str | None = None
     experts: list[str] = field(default_factory=list)
     lora: list[str] = field(default_factory=list)
+    routers: list[str] = field(default_factory=list)
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -45,10 +48,11 @@ def _is_experts(module: nn.Module) -> bool:
 def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
     """Select the "sloth" experts implementation for a transformers MoE model, in place.
 
-    Registers "sloth" in transformers' ``ExpertsInterface``, sets it on the model (and its config)
-    and routes PEFT ``target_parameters`` LoRA on the experts through the grouped computation.
-    With ``enabled=False`` a model set to "sloth" goes back to transformers' ``grouped_mm`` and the
-    PEFT wrappers get PEFT's forward back. A dense model is left as it is.
+    Registers "sloth" in transformers' ``ExpertsInterface``, sets it on the model (and its config),
+    routes PEFT ``target_parameters`` LoRA on the experts through the grouped computation and
+    gives the family's routers float32 logits (same routing rule as transformers').
+    With ``enabled=False`` a model set to "sloth" goes back to transformers' ``grouped_mm``, and the
+    PEFT wrappers and routers get their own forwards back. A dense model is left as it is.
 
     Args:
         model: a transformers ``PreTrainedModel``, a PEFT model around one, or a module holding one.
@@ -74,6 +78,9 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
     report.experts = [name for name, _ in experts]
     family = FAMILIES.get(model_type)
     uninstall_lora_experts(base)
+    for module in base.modules():
+        if _forwards.patched_op(module) == "moe_router":
+            _forwards.restore(module)
     if not enabled:
         if config._experts_implementation == EXPERTS_NAME:
             base.set_experts_implementation("grouped_mm")
@@ -95,10 +102,31 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
     base.set_experts_implementation(EXPERTS_NAME)
     report.implementation = config._experts_implementation
     report.lora = install_lora_experts(base)
+    routers = family.classes(family.routers)
+    for name, module in base.named_modules():
+        if isinstance(module, routers) and not _forwards.has_foreign_forward(module):
+            module._sloth_model_type, module._sloth_config = model_type, config
+            _forwards.install(module, router_forward)
+            report.routers.append(name)
     log.info(
-        "lightning_sloth experts: %s x%d (%d with LoRA inside the grouped GEMMs)",
+        "lightning_sloth experts: %s x%d (%d with LoRA inside the grouped GEMMs), float32 routers x%d",
         model_type,
         len(report.experts),
         len(report.lora),
+        len(report.routers),
     )
     return report
+
+
+@_forwards._op_forward("moe_router")
+def router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A transformers top-k router's forward with float32 logits and the family's routing.
+
+    Returns ``(router_logits [T, E] float32, weights [T, k], index [T, k])`` like the class's.
+    """
+    from lightning_sloth.moe.routing import ROUTERS, router_logits
+
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = router_logits(hidden_states, self.weight, getattr(self, "bias", None))
+    weights, index = ROUTERS[self._sloth_model_type](logits, self._sloth_config)
+    return logits, weights, index

@@ -19,6 +19,8 @@ column                  what it decides
 ``moe``                 the causal LM adds the router load-balancing loss (``output_router_logits``).
 ``experts``             fused 3-D experts classes -> the "sloth" experts implementation
                         (``lightning_sloth.moe``, selected by ``patching.apply_experts``).
+``routers``             top-k router classes -> the family's router with logits in float32
+                        (``lightning_sloth.moe.routing``, installed by ``apply_experts``).
 ======================  ==========================================================================
 
 MoE families (qwen3_moe, mixtral, gpt_oss) get the norm, rope and loss parts here; their experts
@@ -79,6 +81,7 @@ class Family:
     causal_lms: tuple[str, ...]
     moe: bool = False
     experts: tuple[str, ...] = ()
+    routers: tuple[str, ...] = ()
 
     def modeling(self) -> ModuleType:
         """transformers' modeling module of the family."""
@@ -123,6 +126,7 @@ FAMILIES: dict[str, Family] = {
         causal_lms=("Qwen3MoeForCausalLM",),
         moe=True,
         experts=("Qwen3MoeExperts",),
+        routers=("Qwen3MoeTopKRouter",),
     ),
     "mixtral": Family(
         package="mixtral",
@@ -135,6 +139,7 @@ FAMILIES: dict[str, Family] = {
         causal_lms=("MixtralForCausalLM",),
         moe=True,
         experts=("MixtralExperts",),
+        routers=("MixtralTopKRouter",),
     ),
     "gpt_oss": Family(
         package="gpt_oss",
@@ -147,6 +152,7 @@ FAMILIES: dict[str, Family] = {
         causal_lms=("GptOssForCausalLM",),
         moe=True,
         experts=("GptOssExperts",),
+        routers=("GptOssTopKRouter",),
     ),
 }
 """``config.model_type`` -> :class:`Family`."""
