@@ -11,14 +11,10 @@ from _interpreter import interpreted_only, launcher_only, run_interpreted_cases
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sloth.moe import clamped_swiglu, group_by_expert, grouped_mm, moe_combine, moe_gather
+from lightning_sloth.moe import gemm as moe_gemm
 from lightning_sloth.moe import ops as moe_ops
-from lightning_sloth.moe.ops import (
-    clamped_swiglu_reference,
-    grouped_mm_reference,
-    lora_grouped_mm,
-    moe_sum,
-    weighted_swiglu,
-)
+from lightning_sloth.moe.gemm import grouped_mm_reference, lora_grouped_mm
+from lightning_sloth.moe.ops import clamped_swiglu_reference, moe_sum, weighted_swiglu
 
 # Uneven groups: an empty expert first, one in the middle, one at the end, a single row.
 COUNTS = [0, 5, 70, 0, 1, 37, 0]
@@ -169,10 +165,10 @@ def test_opcheck_every_op():
     y = torch.randn(14, 12, requires_grad=True)
     wts = weights.float().requires_grad_()
     h = (6 * torch.randn(14, 8)).requires_grad_()
-    _opcheck(moe_ops._grouped_mm_op, (xg, w, None, ends, ids, False))
-    _opcheck(moe_ops._grouped_mm_op, (xg, wt, b, ends, ids, True))
+    _opcheck(moe_gemm._grouped_mm_op, (xg, w, None, ends, ids, False))
+    _opcheck(moe_gemm._grouped_mm_op, (xg, wt, b, ends, ids, True))
     _opcheck(
-        moe_ops._grouped_mm_backward_op,
+        moe_gemm._grouped_mm_backward_op,
         (torch.randn(14, 10), xg.detach(), w.detach(), ends, False, True, True),
     )
     _opcheck(moe_ops._gather_op, (x.requires_grad_(), g.perm, g.inv, 2))
@@ -183,10 +179,10 @@ def test_opcheck_every_op():
     )
     la = torch.randn(4, 3, 12, requires_grad=True)
     lb = torch.randn(4, 10, 3, requires_grad=True)
-    _opcheck(moe_ops._lora_grouped_mm_op, (xg, w.detach(), None, la, lb, 0.5, ends, ids, False))
-    _opcheck(moe_ops._lora_grouped_mm_op, (xg, wt.detach(), b, la, lb, 0.5, ends, ids, True))
+    _opcheck(moe_gemm._lora_grouped_mm_op, (xg, w.detach(), None, la, lb, 0.5, ends, ids, False))
+    _opcheck(moe_gemm._lora_grouped_mm_op, (xg, wt.detach(), b, la, lb, 0.5, ends, ids, True))
     _opcheck(
-        moe_ops._lora_grouped_mm_backward_op,
+        moe_gemm._lora_grouped_mm_backward_op,
         (torch.randn(14, 10), xg.detach(), torch.randn(14, 3), w.detach(), la.detach(), lb.detach(), 0.5, ends,
          False, True, False, True, True),
     )  # fmt: skip
@@ -226,7 +222,7 @@ def test_kernels_interpreted_grouped_mm(dtype, w_is_kn):
     dy = torch.randn(rows, n).to(dtype)
     a, b = (x, dy) if w_is_kn else (dy, x)
     dw = kernels.grouped_mm_weight_grad(a, b, ends)
-    expected_dw = moe_ops._weight_grad_reference(a.double(), b.double(), ends)
+    expected_dw = moe_gemm._weight_grad_reference(a.double(), b.double(), ends)
     torch.testing.assert_close(dw.double(), expected_dw, rtol=tol, atol=tol * 10)
     # accumulate a rank-16 product into an existing output
     xa = torch.randn(rows, 16).to(dtype)

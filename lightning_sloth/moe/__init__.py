@@ -3,7 +3,8 @@
 Rooms:
 
 - :mod:`.routing`: per-family routers and :func:`group_by_expert` (sort, counts, int32 ends);
-- :mod:`.ops`: the ``sloth::moe_*`` ops (gather, grouped GEMM, GPT-OSS activation, combine);
+- :mod:`.gemm`: the grouped GEMM ops, with and without per-expert LoRA;
+- :mod:`.ops`: the other ``sloth::moe_*`` ops (gather, activations, combine);
 - :mod:`.experts`: family layouts and the "sloth" experts forward for transformers'
   ``ExpertsInterface``;
 - :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights.
@@ -25,7 +26,8 @@ from lightning_sloth.moe.experts import (
     layout_of,
     register,
 )
-from lightning_sloth.moe.ops import clamped_swiglu, grouped_mm, moe_combine, moe_gather
+from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
+from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
 from lightning_sloth.moe.peft import expert_lora_factors, install_lora_experts, uninstall_lora_experts
 from lightning_sloth.moe.routing import ROUTERS, Grouping, group_by_expert
 
@@ -44,8 +46,11 @@ __all__ = [
     "grouped_mm",
     "install_lora_experts",
     "layout_of",
+    "lora_grouped_mm",
     "moe_combine",
     "moe_gather",
+    "moe_sum",
     "register",
     "uninstall_lora_experts",
+    "weighted_swiglu",
 ]

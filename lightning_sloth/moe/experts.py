@@ -25,15 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.moe.ops import (
-    clamped_swiglu,
-    grouped_mm,
-    lora_grouped_mm,
-    moe_combine,
-    moe_gather,
-    moe_sum,
-    weighted_swiglu,
-)
+from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
+from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
 from lightning_sloth.moe.routing import group_by_expert
 
 __all__ = [

@@ -13,9 +13,10 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from lightning_sloth.moe import gemm as moe_gemm
 from lightning_sloth.moe import grouped_mm, install_lora_experts, register
 from lightning_sloth.moe import ops as moe_ops
-from lightning_sloth.moe.ops import grouped_mm_reference
+from lightning_sloth.moe.gemm import grouped_mm_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,7 +62,7 @@ def test_opcheck_triton_op_path():
     x = torch.randn(40, 48, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(4, 64, 48, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ids = torch.repeat_interleave(torch.arange(4, device="cuda"), torch.tensor([0, 20, 3, 17], device="cuda"))
-    torch.library.opcheck(moe_ops._grouped_mm_op, (x, w, None, ends, ids, False))
+    torch.library.opcheck(moe_gemm._grouped_mm_op, (x, w, None, ends, ids, False))
     h = torch.randn(40, 32, device="cuda", dtype=torch.float16, requires_grad=True)
     torch.library.opcheck(moe_ops._clamped_swiglu_op, (h, 1.702, 7.0))
 
