@@ -5,6 +5,7 @@ Importing the package registers the ``"sloth"`` strategies with Lightning's regi
 
 from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettings
 from lightning_sloth.plugins import (
+    ExpertLoadMonitor,
     GradientFlowGuard,
     SaveAdapter,
     SlothDDPStrategy,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CausalLMModule",
+    "ExpertLoadMonitor",
     "GradientFlowGuard",
     "LoraSettings",
     "OptimizerSettings",

@@ -76,7 +76,25 @@ SHAPES = {
         vocab_size=128256,
         rope_theta=500000.0,
     ),
+    # Qwen3-30B-A3B's layer shape at 8 of its 48 layers (LoRA on attention and experts).
+    "qwen3_30b_a3b_8l": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),
 }
+MOE_LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}  # fmt: skip
 
 
 @dataclass
@@ -167,18 +185,22 @@ def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[
 
 
 def build_model(workload: Workload, attn: str, checkpointing: bool = True):
-    """A random-weight Llama of the workload's shape in bf16, with PEFT LoRA on all projections."""
+    """A random-weight model of the workload's shape in bf16 (a Llama unless the shape names a
+    ``model_type``), with PEFT LoRA on all projections (a MoE shape: attention and experts)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(workload.seed)
-    config = LlamaConfig(**SHAPES[workload.shape], attn_implementation=attn, use_cache=False)
+    shape = dict(SHAPES[workload.shape])
+    model_type = shape.pop("model_type", "llama")
+    config = AutoConfig.for_model(model_type, **shape, attn_implementation=attn, use_cache=False)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = LoraConfig(
         r=workload.lora_r,
         lora_alpha=2 * workload.lora_r,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        **(MOE_LORA if model_type != "llama" else {"target_modules": projections}),
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
@@ -274,8 +296,8 @@ def run_system(
     model = setup(workload)
     model.train()
     cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    n_params = flop_parameters(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_params = flop_parameters(model) - _inactive_expert_parameters(model)
     optimizer = make_optimizer(model)
     times, tokens, flops, losses = [], [], [], []
     grad_norm = float("nan")
@@ -341,6 +363,19 @@ def run_system(
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _inactive_expert_parameters(model) -> int:
+    """Expert parameters a token does not use (MoE: all but ``top_k`` of each layer's ``E`` experts)."""
+    cfg = model.config
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if top_k is None:
+        return 0
+    inactive = 0
+    for name, param in model.named_parameters():
+        if ".experts." in name and "lora_" not in name and param.dim() >= 2:
+            inactive += param.numel() * (param.shape[0] - top_k) // param.shape[0]
+    return inactive
 
 
 def gpu_busy_ms(events) -> float:

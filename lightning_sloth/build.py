@@ -253,6 +253,7 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
         "offload": sloth.offload.value,
         "memory_budget": int(budget) if budget is not None and budget != "auto" else budget,
         "compile": (compile_options or True) if sloth.compile else False,
+        "moe": sloth.moe,
     }
 
 
@@ -294,7 +295,12 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from lightning_sloth.offload import OffloadStatsCallback
-    from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter, SlothThroughputMonitor
+    from lightning_sloth.plugins import (
+        ExpertLoadMonitor,
+        GradientFlowGuard,
+        SaveAdapter,
+        SlothThroughputMonitor,
+    )
 
     output_dir = Path(output_dir)
     checkpoint = ModelCheckpoint(
@@ -311,6 +317,7 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
         SlothThroughputMonitor(window_size=trainer.throughput_window),
         GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
         SaveAdapter(output_dir / ADAPTER_DIR),
+        ExpertLoadMonitor(every_n_steps=trainer.log_every_n_steps),
     ] + ([OffloadStatsCallback()] if offload else [])
 
 

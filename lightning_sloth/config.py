@@ -262,6 +262,8 @@ class SlothConfig:
             or ``None`` (checkpoint every layer).
         compile: regional ``torch.compile`` of each decoder layer.
         compile_options: keyword arguments for ``torch.compile`` (``mode``, ``dynamic``...).
+        moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
+            ``lightning_sloth.moe``; ``false`` keeps transformers' experts implementation.
     """
 
     packed_attention: bool = True
@@ -272,6 +274,7 @@ class SlothConfig:
     memory_budget: str | None = None
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
+    moe: bool = True
 
 
 @dataclass

@@ -245,6 +245,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "offload": "off",
         "memory_budget": None,
         "compile": False,
+        "moe": True,
     }
     assert build.sloth_settings(make("sloth=off").sloth) == {
         "packed_attention": False,
@@ -253,6 +254,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "offload": "off",
         "memory_budget": None,
         "compile": False,
+        "moe": False,
     }
     tuned = make(
         "sloth.kernels=on",

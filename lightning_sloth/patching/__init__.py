@@ -12,17 +12,21 @@ forwards, one per op, are in ``_forwards.py``.
 
 from lightning_sloth.patching._apply import OPS, KernelSettings, PatchReport, apply_kernels, unpatch
 from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
+from lightning_sloth.patching.experts import ExpertsReport, apply_experts, moe_families
 from lightning_sloth.patching.families import FAMILIES, Family, NormStyle
 
 __all__ = [
     "FAMILIES",
     "OPS",
+    "ExpertsReport",
     "Family",
     "KernelSettings",
     "NormStyle",
     "PatchReport",
+    "apply_experts",
     "apply_kernels",
     "compile_blocks",
     "decoder_blocks",
+    "moe_families",
     "unpatch",
 ]

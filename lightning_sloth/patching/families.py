@@ -17,11 +17,16 @@ column                  what it decides
 ``causal_lms``          ``*ForCausalLM`` classes -> ``linear_cross_entropy`` when labels are given
                         (Gemma 2's ``final_logit_softcapping`` is read from the config).
 ``moe``                 the causal LM adds the router load-balancing loss (``output_router_logits``).
+``experts``             fused 3-D experts classes -> the "sloth" experts implementation
+                        (``lightning_sloth.moe``, selected by ``patching.apply_experts``).
+``routers``             top-k router classes -> the family's router with logits in float32
+                        (``lightning_sloth.moe.routing``, installed by ``apply_experts``).
 ======================  ==========================================================================
 
-MoE families (qwen3_moe, mixtral, gpt_oss) get the norm, rope and loss parts; their experts are
-transformers' fused 3-D parameters, handled by the experts interface rather than by this table
-(Qwen3-MoE's dense ``mlp_only_layers`` MLPs are plain gated MLPs and are listed).
+MoE families (qwen3_moe, mixtral, gpt_oss) get the norm, rope and loss parts here; their experts
+(transformers' fused 3-D parameters) are switched through transformers' experts interface to
+``lightning_sloth.moe`` (Qwen3-MoE's dense ``mlp_only_layers`` MLPs are plain gated MLPs and are
+listed).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class Family:
     rope_layout: RopeLayout
     causal_lms: tuple[str, ...]
     moe: bool = False
+    experts: tuple[str, ...] = ()
+    routers: tuple[str, ...] = ()
 
     def modeling(self) -> ModuleType:
         """transformers' modeling module of the family."""
@@ -118,6 +125,8 @@ FAMILIES: dict[str, Family] = {
         rope_layout="rotate_half",
         causal_lms=("Qwen3MoeForCausalLM",),
         moe=True,
+        experts=("Qwen3MoeExperts",),
+        routers=("Qwen3MoeTopKRouter",),
     ),
     "mixtral": Family(
         package="mixtral",
@@ -129,6 +138,8 @@ FAMILIES: dict[str, Family] = {
         rope_layout="rotate_half",
         causal_lms=("MixtralForCausalLM",),
         moe=True,
+        experts=("MixtralExperts",),
+        routers=("MixtralTopKRouter",),
     ),
     "gpt_oss": Family(
         package="gpt_oss",
@@ -140,6 +151,8 @@ FAMILIES: dict[str, Family] = {
         rope_layout="half_table",
         causal_lms=("GptOssForCausalLM",),
         moe=True,
+        experts=("GptOssExperts",),
+        routers=("GptOssTopKRouter",),
     ),
 }
 """``config.model_type`` -> :class:`Family`."""

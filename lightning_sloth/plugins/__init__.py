@@ -1,6 +1,7 @@
 """Lightning plugins: the Strategy (model transformation), the Precision plugin, callbacks."""
 
 from lightning_sloth.plugins.callbacks import (
+    ExpertLoadMonitor,
     GradientFlowError,
     GradientFlowGuard,
     SaveAdapter,
@@ -10,6 +11,7 @@ from lightning_sloth.plugins.precision import SlothPrecision, resolve_precision
 from lightning_sloth.plugins.strategy import SlothDDPStrategy, SlothStrategy, find_hf_model
 
 __all__ = [
+    "ExpertLoadMonitor",
     "GradientFlowError",
     "GradientFlowGuard",
     "SaveAdapter",

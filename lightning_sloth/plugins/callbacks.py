@@ -93,3 +93,64 @@ class SaveAdapter(Callback):
             model = find_hf_model(pl_module)
         model.save_pretrained(str(self.dirpath))
         log.info("saved adapter to %s", self.dirpath)
+
+
+class ExpertLoadMonitor(Callback):
+    """Logs how evenly each MoE layer's router spreads tokens over its experts.
+
+    Reads the per-expert row counts that the "sloth" experts (``lightning_sloth.moe``) leave on each
+    experts module at every forward (a device tensor; nothing is read back except when logging).
+    Every ``every_n_steps`` training steps it logs, per MoE layer ``i``, the scalar
+    ``moe/load_max_over_mean/layer_i`` (1.0 is perfectly balanced; ``E / k`` means all tokens went to
+    the same ``k`` experts) and their mean ``moe/load_max_over_mean``; with a TensorBoard logger also
+    the histogram ``moe/expert_load/layer_i`` of the tokens per expert. Models without such experts
+    log nothing.
+
+    Args:
+        every_n_steps: logging cadence in training steps.
+    """
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+
+    @staticmethod
+    def expert_counts(module: torch.nn.Module) -> list[torch.Tensor]:
+        """The last forward's rows per expert of every MoE layer under ``module``, in layer order."""
+        from lightning_sloth.moe import COUNTS_ATTR
+
+        return [c for m in module.modules() if (c := getattr(m, COUNTS_ATTR, None)) is not None]
+
+    @staticmethod
+    def load_ratios(counts: list[torch.Tensor]) -> torch.Tensor:
+        """``max / mean`` tokens per expert of each layer, float32 ``[layers]`` (on the counts' device)."""
+        loads = torch.stack([c.float() for c in counts])
+        return loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % self.every_n_steps:
+            return
+        counts = self.expert_counts(pl_module)
+        if not counts:
+            return
+        ratios = self.load_ratios(counts).cpu()
+        for i, ratio in enumerate(ratios.tolist()):
+            pl_module.log(f"moe/load_max_over_mean/layer_{i}", ratio, on_step=True, on_epoch=False)
+        pl_module.log("moe/load_max_over_mean", float(ratios.mean()), on_step=True, on_epoch=False)
+        self._histograms(trainer, counts)
+
+    @rank_zero_only
+    def _histograms(self, trainer: Trainer, counts: list[torch.Tensor]) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                for i, c in enumerate(counts):
+                    # one sample per token routed, valued by its expert id: the histogram is the load
+                    ids = torch.repeat_interleave(torch.arange(c.numel()), c.cpu().long())
+                    logger.experiment.add_histogram(
+                        f"moe/expert_load/layer_{i}", ids, trainer.global_step, bins=c.numel()
+                    )

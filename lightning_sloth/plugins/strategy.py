@@ -46,6 +46,7 @@ class SlothReport:
 
     applied: list[str] = field(default_factory=list)
     kernels: Any = None
+    experts: Any = None
     checkpointing: Any = None
     offloader: Any = None
 
@@ -59,6 +60,7 @@ def transform_model(
     offload: str = "off",
     memory_budget: int | str | None = None,
     compile: bool | dict = False,
+    moe: bool = True,
 ) -> SlothReport:
     """Apply lightning_sloth's transformations to a transformers model, in place.
 
@@ -76,6 +78,9 @@ def transform_model(
         offload: ``"off"``, ``"on"`` or ``"auto"``: checkpointed layer inputs to pinned host memory.
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: ``torch.compile`` each decoder layer (``True`` or compile kwargs).
+        moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
+            ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
+            ``False`` keeps transformers' experts implementation. Dense models ignore it.
     """
     report = SlothReport()
     hf_model = find_hf_model(model)
@@ -89,6 +94,11 @@ def transform_model(
             kernels = KernelSettings(**kernels)
         report.kernels = apply_kernels(hf_model, kernels)
         report.applied.append("kernels")
+    from lightning_sloth.patching.experts import apply_experts
+
+    report.experts = apply_experts(hf_model, enabled=moe)
+    if moe and report.experts.experts:
+        report.applied.append("moe experts")
     if packed_attention:
         from lightning_sloth.attention import enable_packed_attention
 
@@ -139,6 +149,7 @@ class _SlothSetup:
         offload: str = "off",
         memory_budget: int | str | None = None,
         compile: bool | dict = False,
+        moe: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -149,6 +160,7 @@ class _SlothSetup:
             offload=offload,
             memory_budget=memory_budget,
             compile=compile,
+            moe=moe,
         )
         self.offloader = None
         self.sloth_report: SlothReport | None = None
@@ -186,6 +198,7 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         offload: ``"off"``/``"on"``/``"auto"``: offload checkpointed layer inputs to host memory.
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: regional ``torch.compile`` of each decoder layer (``True`` or compile kwargs).
+        moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own).
         device: the device; by default the one the Trainer's accelerator picks.
 
     See :func:`transform_model` for the order the transformations are applied in.

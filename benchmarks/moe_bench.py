@@ -1,0 +1,223 @@
+"""One MoE layer, forward + backward: lightning_sloth's experts vs transformers' ``eager`` and ``grouped_mm``.
+
+Shapes (bf16, one layer, random weights, transformers' own router):
+
+- ``qwen3_30b_a3b``: hidden 2048, 128 experts, top-8, expert intermediate 768 (``Qwen3MoeSparseMoeBlock``);
+- ``gpt_oss_20b``: hidden 2880, 32 experts, top-4, expert intermediate 2880 (``GptOssMLP``).
+
+Modes: ``frozen`` (expert and router weights frozen, the input's gradient taken) and ``lora``
+(PEFT ``target_parameters=["experts.gate_up_proj", "experts.down_proj"]``, r=16, alpha=32; for
+transformers' implementations PEFT's own forward, for ``sloth`` the factors inside the grouped GEMMs).
+Each system: median of CUDA-event timings over the timed steps (warm-up excluded), the peak memory
+allocated above what was allocated before the step (weights, input and adapters), and the output's
+relative difference to ``grouped_mm``'s on the same weights and input::
+
+    python benchmarks/moe_bench.py --out moe_layer.json [--tokens 16384] [--skip-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+SHAPES = {
+    "qwen3_30b_a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    "gpt_oss_20b": dict(
+        model_type="gpt_oss",
+        hidden_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        intermediate_size=2880,
+    ),
+}
+SYSTEMS = ("eager", "grouped_mm", "sloth")
+
+
+def _block(
+    shape: str, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> torch.nn.Module:
+    from transformers import GptOssConfig, Qwen3MoeConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    spec = dict(SHAPES[shape])
+    model_type = spec.pop("model_type")
+    torch.manual_seed(seed)
+    if model_type == "qwen3_moe":
+        config = Qwen3MoeConfig(num_attention_heads=16, num_key_value_heads=4, norm_topk_prob=True, **spec)
+        block = Qwen3MoeSparseMoeBlock(config)
+    else:
+        config = GptOssConfig(num_attention_heads=64, num_key_value_heads=8, **spec)
+        block = GptOssMLP(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.02)
+    return block.to(device, dtype)
+
+
+def _with_lora(block: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        target_modules=[],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+    block = inject_adapter_in_model(config, block)
+    with torch.no_grad():  # B is zero-initialised: give it values so the adapter contributes
+        for name, param in block.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
+    return block
+
+
+def _select(block: torch.nn.Module, system: str) -> None:
+    from lightning_sloth.moe import install_lora_experts, register, uninstall_lora_experts
+
+    register()
+    experts = next(m for m in block.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts"))
+    experts.config._experts_implementation = system
+    uninstall_lora_experts(block)
+    if system == "sloth":
+        install_lora_experts(block)
+
+
+def _step(block, x, grad):
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad)
+    return out
+
+
+def measure(block, x, grad, warmup: int, timed: int) -> dict:
+    for _ in range(warmup):
+        _step(block, x, grad)
+    x.grad = None
+    for param in block.parameters():
+        param.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(timed):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _step(block, x, grad)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        x.grad = None
+        for param in block.parameters():
+            param.grad = None
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "timed_steps": timed,
+        "peak_over_base_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "base_allocated_gib": base / 2**30,
+    }
+
+
+def profile(block, x, grad, path: str, title: str) -> None:
+    """Append the CUDA kernels of two steps, by total device time, to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            _step(block, x, grad)
+        torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"== {title}\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=90))
+        f.write("\n")
+
+
+def run_case(
+    shape: str,
+    mode: str,
+    tokens: int,
+    systems: list[str],
+    warmup: int,
+    timed: int,
+    profile_path: str | None = None,
+) -> dict:
+    block = _block(shape)
+    for param in block.parameters():
+        param.requires_grad_(False)
+    if mode == "lora":
+        block = _with_lora(block)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden = SHAPES[shape]["hidden_size"]
+    x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    grad = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    results, outputs = {}, {}
+    for system in systems:
+        _select(block, system)
+        try:
+            with torch.no_grad():
+                out = block(x)
+            outputs[system] = (out[0] if isinstance(out, tuple) else out).float()
+            steps = max(3, timed // 4) if system == "eager" else timed
+            results[system] = measure(block, x, grad, warmup if system != "eager" else 1, steps)
+            if profile_path and system != "eager":
+                profile(block, x, grad, profile_path, f"{shape}/{mode}/{system}")
+        except torch.OutOfMemoryError as error:
+            results[system] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+        torch.cuda.empty_cache()
+        print(shape, mode, system, results[system], flush=True)
+    reference = outputs.get("grouped_mm")
+    for system, out in outputs.items():
+        if reference is not None:
+            results[system]["rel_diff_vs_grouped_mm"] = float((out - reference).norm() / reference.norm())
+    grouped, ours = results.get("grouped_mm", {}), results.get("sloth", {})
+    if "median_ms" in grouped and "median_ms" in ours:
+        results["speedup_vs_grouped_mm"] = grouped["median_ms"] / ours["median_ms"]
+        results["memory_ratio_vs_grouped_mm"] = ours["peak_over_base_gib"] / grouped["peak_over_base_gib"]
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from lightning_sloth.bench import environment
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--modes", default="frozen,lora")
+    parser.add_argument("--skip-eager", action="store_true")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timed", type=int, default=20)
+    parser.add_argument("--profile", default=None, help="a text file for per-kernel device times")
+    args = parser.parse_args(argv)
+    systems = [s for s in SYSTEMS if not (args.skip_eager and s == "eager")]
+    report = {
+        "benchmark": "one MoE layer, forward + backward, bf16",
+        "environment": environment(),
+        "tokens": args.tokens,
+        "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+        "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
+        "results": {},
+    }
+    for shape in args.shapes.split(","):
+        for mode in args.modes.split(","):
+            report["results"][f"{shape}/{mode}"] = run_case(
+                shape, mode, args.tokens, systems, args.warmup, args.timed, args.profile
+            )
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Mixture-of-experts: sync-free routing, grouped expert GEMMs as ``sloth::`` ops, LoRA on the experts.
+
+Rooms:
+
+- :mod:`.routing`: per-family routers and :func:`group_by_expert` (sort, counts, int32 ends);
+- :mod:`.gemm`: the grouped GEMM ops, with and without per-expert LoRA;
+- :mod:`.ops`: the other ``sloth::moe_*`` ops (gather, activations, combine);
+- :mod:`.experts`: family layouts and the "sloth" experts forward for transformers'
+  ``ExpertsInterface``;
+- :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights.
+
+``SlothStrategy`` selects all of it for qwen3_moe, mixtral and gpt_oss (``moe=False`` keeps
+transformers' experts); by hand::
+
+    from lightning_sloth.patching import apply_experts
+    apply_experts(model)   # registers "sloth", selects it, routes PEFT expert LoRA through it
+"""
+
+from lightning_sloth.moe.experts import (
+    COUNTS_ATTR,
+    EXPERTS_NAME,
+    LAYOUTS,
+    ExpertLayout,
+    LoraFactors,
+    experts_forward,
+    layout_of,
+    register,
+)
+from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
+from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
+from lightning_sloth.moe.peft import expert_lora_factors, install_lora_experts, uninstall_lora_experts
+from lightning_sloth.moe.routing import ROUTERS, Grouping, group_by_expert
+
+__all__ = [
+    "COUNTS_ATTR",
+    "EXPERTS_NAME",
+    "LAYOUTS",
+    "ROUTERS",
+    "ExpertLayout",
+    "Grouping",
+    "LoraFactors",
+    "clamped_swiglu",
+    "expert_lora_factors",
+    "experts_forward",
+    "group_by_expert",
+    "grouped_mm",
+    "install_lora_experts",
+    "layout_of",
+    "lora_grouped_mm",
+    "moe_combine",
+    "moe_gather",
+    "moe_sum",
+    "register",
+    "uninstall_lora_experts",
+    "weighted_swiglu",
+]

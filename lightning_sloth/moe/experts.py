@@ -1,0 +1,231 @@
+"""The "sloth" experts implementation: family layouts, the grouped expert forward, LoRA on the experts.
+
+transformers 5.x keeps a MoE layer's experts as one module with 3-D weights and dispatches its
+forward through ``ExpertsInterface`` by ``config._experts_implementation``. :func:`register` adds
+"sloth" there; the function receives ``(experts, hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k])`` from transformers' own router and block.
+
+Layouts (:data:`LAYOUTS`)::
+
+    qwen3_moe, mixtral  gate_up_proj [E, 2I, H]  gate rows then up rows   down_proj [E, H, I]
+                        act = silu(gate) * up
+    gpt_oss             gate_up_proj [E, H, 2I]  gate/up interleaved      down_proj [E, I, H]
+                        + gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
+                        act = (clamp(up, -l, l) + 1) * g sigmoid(alpha g),  g = min(gate, l)
+
+LoRA on the experts (PEFT's ``target_parameters``) never builds a delta weight: with factors
+``A_e [r, in]``, ``B_e [out, r]`` and scale ``s`` the projection is computed as
+``x W_e + s (x A_e^T) B_e^T`` by two more grouped GEMMs of rank r, so gradients reach A and B only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
+from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
+from lightning_sloth.moe.routing import group_by_expert
+
+__all__ = [
+    "EXPERTS_NAME",
+    "LAYOUTS",
+    "ExpertLayout",
+    "LoraFactors",
+    "experts_forward",
+    "layout_of",
+    "register",
+]
+
+EXPERTS_NAME = "sloth"
+"""The name in transformers' ``ExpertsInterface``."""
+
+COUNTS_ATTR = "_sloth_expert_counts"
+"""Attribute on each experts module holding the last forward's int32 ``[E]`` rows per expert
+(a device tensor, read by the expert-load callback)."""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one family stores and activates its experts.
+
+    Attributes:
+        transposed: weights are ``[E, in, out]`` (``y = x W_e``); else ``[E, out, in]``.
+        interleaved: gate/up columns alternate (GPT-OSS); else gate then up.
+        bias: the experts have ``gate_up_proj_bias`` and ``down_proj_bias``.
+        clamped: GPT-OSS's clamped activation (alpha and limit from the module); else
+            ``act_fn(gate) * up``.
+    """
+
+    transposed: bool
+    interleaved: bool
+    bias: bool
+    clamped: bool
+
+
+LAYOUTS: dict[str, ExpertLayout] = {
+    "qwen3_moe": ExpertLayout(transposed=False, interleaved=False, bias=False, clamped=False),
+    "mixtral": ExpertLayout(transposed=False, interleaved=False, bias=False, clamped=False),
+    "gpt_oss": ExpertLayout(transposed=True, interleaved=True, bias=True, clamped=True),
+}
+"""``config.model_type`` -> :class:`ExpertLayout`."""
+
+_SILU = ("silu", "swish")
+
+
+def layout_of(experts: nn.Module) -> ExpertLayout:
+    """The layout of a transformers experts module, from its config's ``model_type``.
+
+    Raises:
+        NotImplementedError: the family has no layout here (names it and the supported list).
+    """
+    model_type = getattr(getattr(experts, "config", None), "model_type", None)
+    layout = LAYOUTS.get(model_type)
+    if layout is None:
+        raise NotImplementedError(
+            f"the 'sloth' experts do not support MoE family {model_type!r} "
+            f"({type(experts).__name__}); supported: {sorted(LAYOUTS)}"
+        )
+    return layout
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """Per-expert LoRA factors of one 3-D weight.
+
+    Attributes:
+        a: ``[E, r, in]``.
+        b: ``[E, out, r]``.
+        scale: ``lora_alpha / r`` (or ``/ sqrt(r)`` for rsLoRA).
+    """
+
+    a: Tensor
+    b: Tensor
+    scale: float
+
+
+def _compute_dtype(hidden_states: Tensor, weight: Tensor) -> torch.dtype:
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _project(
+    x: Tensor, weight: Tensor, bias: Tensor | None, grouping, transposed: bool, lora: LoraFactors | None
+) -> Tensor:
+    dtype = x.dtype
+    bias = None if bias is None else bias.to(dtype)
+    if lora is None:
+        return grouped_mm(
+            x,
+            weight.to(dtype),
+            grouping.ends,
+            transposed=transposed,
+            bias=bias,
+            expert_ids=grouping.expert_ids,
+        )
+    return lora_grouped_mm(
+        x,
+        weight.to(dtype),
+        lora.a.to(dtype),
+        lora.b.to(dtype),
+        lora.scale,
+        grouping.ends,
+        transposed=transposed,
+        bias=bias,
+        expert_ids=grouping.expert_ids,
+    )
+
+
+def _activate(experts: nn.Module, layout: ExpertLayout, h: Tensor) -> Tensor:
+    if layout.clamped:
+        return clamped_swiglu(h, experts.alpha, experts.limit)
+    gate, up = h.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def experts_forward(
+    experts: nn.Module,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    lora: dict[str, LoraFactors] | None = None,
+) -> Tensor:
+    """One MoE layer's experts: gather into expert order, two grouped GEMMs, combine in fp32.
+
+    Registered as "sloth" in ``ExpertsInterface`` (called as ``fn(experts, hidden_states,
+    top_k_index, top_k_weights)``).
+
+    Args:
+        experts: a transformers experts module of a family in :data:`LAYOUTS`.
+        hidden_states: ``[T, H]`` tokens.
+        top_k_index: ``[T, k]`` integer expert ids from the router.
+        top_k_weights: ``[T, k]`` routing weights (their gradient reaches the router).
+        lora: optional ``{"gate_up_proj": LoraFactors, "down_proj": LoraFactors}`` (either may be absent).
+
+    Returns:
+        ``[T, H]`` in hidden_states' dtype.
+
+    Raises:
+        ValueError: more experts per token than experts, or mismatched shapes.
+        NotImplementedError: an unsupported family.
+    """
+    layout = layout_of(experts)
+    num_experts = experts.num_experts
+    tokens, top_k = top_k_index.shape
+    if top_k > num_experts:
+        raise ValueError(
+            f"top_k={top_k} experts per token exceeds the {num_experts} experts of {type(experts).__name__}"
+        )
+    if top_k_weights.shape != top_k_index.shape or hidden_states.shape[0] != tokens:
+        raise ValueError(
+            f"hidden_states {tuple(hidden_states.shape)}, top_k_index {tuple(top_k_index.shape)} and "
+            f"top_k_weights {tuple(top_k_weights.shape)} do not describe the same tokens"
+        )
+    lora = lora or {}
+    dtype = _compute_dtype(hidden_states, experts.gate_up_proj)
+    grouping = group_by_expert(top_k_index, num_experts)
+    setattr(experts, COUNTS_ATTR, grouping.counts)
+
+    # Intermediates are not kept in locals longer than needed: autograd keeps what the backward
+    # needs, and a local would hold e.g. the [S, H] gathered rows through the whole layer.
+    # Without biases the down projection is linear, so the routing weights may scale its input:
+    # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
+    weight_first = not layout.bias and not layout.clamped and experts.config.hidden_act in _SILU
+    h = _project(
+        moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k),
+        experts.gate_up_proj,
+        experts.gate_up_proj_bias if layout.bias else None,
+        grouping,
+        layout.transposed,
+        lora.get("gate_up_proj"),
+    )
+    if weight_first:
+        a = weighted_swiglu(h, top_k_weights, grouping.perm)
+    else:
+        a = _activate(experts, layout, h)
+    del h
+    y = _project(
+        a,
+        experts.down_proj,
+        experts.down_proj_bias if layout.bias else None,
+        grouping,
+        layout.transposed,
+        lora.get("down_proj"),
+    )
+    del a
+    if weight_first:
+        out = moe_sum(y, grouping.perm, grouping.inv, top_k)
+    else:
+        out = moe_combine(y, top_k_weights, grouping.perm, grouping.inv)
+    return out.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Register :func:`experts_forward` as "sloth" in transformers' ``ExpertsInterface`` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_NAME, experts_forward)
