@@ -301,14 +301,7 @@ def _doc_loss(logits, tokens):
     [
         "qwen3_moe",
         "mixtral",
-        pytest.param(
-            "gpt_oss",
-            marks=pytest.mark.xfail(
-                raises=NotImplementedError,
-                strict=True,
-                reason="the packed 'sloth' attention does not support GPT-OSS attention sinks yet",
-            ),
-        ),
+        "gpt_oss",
     ],
 )
 def test_packed_batch_through_a_moe_model_equals_each_document_alone(family):
@@ -355,8 +348,7 @@ def test_expert_load_monitor_reads_the_counts_of_every_layer():
     ("preset", "extra"),
     [
         ("qwen3_moe_tiny", []),
-        # until the packed "sloth" attention supports GPT-OSS's attention sinks
-        ("gpt_oss_tiny", ["sloth.packed_attention=false"]),
+        ("gpt_oss_tiny", []),
     ],
 )
 def test_app_trains_the_moe_presets_with_lora_on_experts(tmp_path, preset, extra):
