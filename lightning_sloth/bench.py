@@ -24,6 +24,12 @@ Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
     sloth_kernels_without_<op>
                            every kernel but one (ablation; op from KERNEL_OPS).
 
+The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
+README tables and plots generated from them) is :mod:`lightning_sloth.bench_suite`::
+
+    python -m lightning_sloth.bench scenario=llama_3_2_1b systems=headline
+    python -m lightning_sloth.bench report
+
 Each system runs in its own fresh process (``--same-process`` turns that off), so no system's
 memory or allocator state leaks into the next one's peak.
 
@@ -76,7 +82,26 @@ SHAPES = {
         vocab_size=128256,
         rope_theta=500000.0,
     ),
+    "qwen3_0_6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
 }
+
+# transformers model type of a shape; shapes not listed are Llamas.
+SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3"}
+
+
+def bench_device() -> torch.device:
+    """Where the benchmark trains: the GPU when there is one, else the CPU (tests, tiny shapes)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
@@ -166,15 +191,23 @@ def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[
         yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
 
 
-def build_model(workload: Workload, attn: str, checkpointing: bool = True):
-    """A random-weight Llama of the workload's shape in bf16, with PEFT LoRA on all projections."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_base_model(workload: Workload, attn: str):
+    """The random-weight model of the workload's shape (family from :data:`SHAPE_FAMILIES`), bf16,
+    on :func:`bench_device`; seeded, so every system starts from the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(workload.seed)
-    config = LlamaConfig(**SHAPES[workload.shape], attn_implementation=attn, use_cache=False)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    family = SHAPE_FAMILIES.get(workload.shape, "llama")
+    config = AutoConfig.for_model(family, **SHAPES[workload.shape], attn_implementation=attn, use_cache=False)
+    with torch.device(bench_device()):
+        return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+
+
+def build_model(workload: Workload, attn: str, checkpointing: bool = True):
+    """A random-weight model of the workload's shape in bf16, with PEFT LoRA on all projections."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_base_model(workload, attn)
     lora = LoraConfig(
         r=workload.lora_r,
         lora_alpha=2 * workload.lora_r,
@@ -481,4 +514,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from lightning_sloth.bench_suite import cli
+
+    cli(sys.argv[1:], legacy=main)
