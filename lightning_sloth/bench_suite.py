@@ -434,11 +434,26 @@ def worker_main(task_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(out))
 
 
+def _worker_code(preamble: str, task_path: str, out_path: str) -> str:
+    """The fresh process's program: the system's preamble (a failure is recorded), then the worker."""
+    lines = ["import json", "try:"]
+    lines += ["    " + line for line in (preamble.splitlines() or ["pass"])]
+    lines += [
+        "except Exception as err:",
+        "    reason = 'preamble failed: ' + type(err).__name__ + ': ' + str(err)",
+        f"    open({out_path!r}, 'w').write(json.dumps({{'status': 'error', 'reason': reason[:400]}}))",
+        "    raise",
+        "from lightning_sloth.bench_suite import worker_main",
+        f"worker_main({task_path!r}, {out_path!r})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _in_fresh_process(task: dict, preamble: str, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         task_path, out_path = Path(tmp) / "task.json", Path(tmp) / "out.json"
         task_path.write_text(json.dumps(task))
-        code = f"{preamble}from lightning_sloth.bench_suite import worker_main\nworker_main({str(task_path)!r}, {str(out_path)!r})\n"
+        code = _worker_code(preamble, str(task_path), str(out_path))
         try:
             proc = subprocess.run([sys.executable, "-c", code], timeout=timeout_s)
         except subprocess.TimeoutExpired:

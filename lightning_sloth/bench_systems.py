@@ -90,9 +90,12 @@ def _unsloth(workload: Workload):
     build_char_tokenizer().save_pretrained(path)
     model, _ = FastLanguageModel.from_pretrained(
         path,
-        max_seq_length=max(workload.tokens_per_step, workload.max_len),
+        # The longest document, not the packed row: positions restart per document, and a longer
+        # max_seq_length would switch on RoPE scaling. Packed rows pass as such (packed_seq_lengths).
+        max_seq_length=workload.max_len,
         dtype=torch.bfloat16,
         load_in_4bit=False,
+        use_exact_model_name=True,
         local_files_only=True,
     )
     return FastLanguageModel.get_peft_model(
@@ -188,7 +191,7 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         'Unsloth, packed rows, use_gradient_checkpointing="unsloth"',
         _unsloth,
         _unsloth_batches,
-        preamble="import unsloth\n",
+        preamble="import os\nos.environ.setdefault('UNSLOTH_DISABLE_STATISTICS', '1')\nimport unsloth\n",
     ),
     "sloth_trainer": SuiteSystem("lightning_sloth: Trainer + SlothStrategy(kernels=True) (user path)"),
     "sloth_kernels": SuiteSystem("lightning_sloth: transform_model(kernels=True) (API path)"),
