@@ -11,9 +11,9 @@ A README block is everything between two markers; its content is generated, neve
 
 ``sources`` (default ``NAME.json``) are read in order; a system measured in several keeps the last
 file's record, in the place it first appeared. ``baseline`` adds a column with each system's
-throughput relative to that system. Files of the suite (with a ``scenario``) get a plot,
-``<stem>.png`` beside them (tokens/s with the min-max spread of the timed steps, and peak memory),
-linked under the table when the block has one source. Older result files lack some fields (spread,
+throughput relative to that system. A block of suite files (with a ``scenario``) gets a plot,
+``NAME.png`` beside them (tokens/s with the min-max spread of the timed steps, and peak memory),
+linked under its table; a suite file in no block gets ``<stem>.png``. Older result files lack some fields (spread,
 measured MFU, LoRA A/B norms, status): their cells read "—".
 """
 
@@ -171,26 +171,61 @@ def _params(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
 
+def _block_sources(match: re.Match) -> tuple[str, dict[str, str], list[str]]:
+    name, params = match.group("name"), _params(match.group("params"))
+    return name, params, params.get("sources", f"{name}.json").split(",")
+
+
+def _load(results_dir: Path, name: str, sources: list[str]) -> list[dict]:
+    reports = []
+    for source in sources:
+        path = results_dir / source
+        if not path.exists():
+            raise FileNotFoundError(f"README block {name!r}: no result file {path}")
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
+def merged_report(reports: list[dict]) -> dict:
+    """One report of several files of a scenario: the last file's environment, all records."""
+    return reports[-1] | {"results": merged_results(reports)}
+
+
 def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
-    """``text`` with every ``bench:`` block regenerated from the JSON in ``results_dir``."""
+    """``text`` with every ``bench:`` block regenerated from the JSON in ``results_dir``.
+
+    A block whose files all come from the suite links its plot, ``<results_dir>/<NAME>.png``.
+    """
 
     def block(match: re.Match) -> str:
-        name, params = match.group("name"), _params(match.group("params"))
-        sources = params.get("sources", f"{name}.json").split(",")
-        reports = []
-        for source in sources:
-            path = results_dir / source
-            if not path.exists():
-                raise FileNotFoundError(f"README block {name!r}: no result file {path}")
-            reports.append(json.loads(path.read_text()))
+        name, params, sources = _block_sources(match)
+        reports = _load(results_dir, name, sources)
         body = render_table(reports, sources, params.get("baseline"))
-        if len(sources) == 1 and "scenario" in reports[0]:
-            png = (results_dir / sources[0]).with_suffix(".png")
+        if all("scenario" in r for r in reports):
+            png = results_dir / f"{name}.png"
             title = reports[0]["scenario"].get("title", name)
             body += f"\n![{title}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
         return f"<!-- bench:{name}{match.group('params')} -->\n{body}<!-- /bench:{name} -->"
 
     return MARKER.sub(block, text)
+
+
+def plots(text: str, results_dir: Path) -> list[Path]:
+    """Draw the plot of every README block of suite files (``<NAME>.png``), and of every other
+    suite file (``<stem>.png``); returns the paths written."""
+    written, used = [], set()
+    for match in MARKER.finditer(text):
+        name, _, sources = _block_sources(match)
+        reports = _load(results_dir, name, sources)
+        if all("scenario" in r for r in reports):
+            plot(merged_report(reports), results_dir / f"{name}.png")
+            written.append(results_dir / f"{name}.png")
+            used.update(sources)
+    for path in suite_files(results_dir):
+        if path.name not in used:
+            plot(json.loads(path.read_text()), path.with_suffix(".png"))
+            written.append(path.with_suffix(".png"))
+    return written
 
 
 def plot(report: dict, path: Path) -> None:
@@ -269,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         readme.write_text(new)
     print(f"{readme}: {len(MARKER.findall(new))} benchmark tables generated")
     if not args.no_plots:
-        for path in suite_files(results):
-            plot(json.loads(path.read_text()), path.with_suffix(".png"))
-            print(f"plot {path.with_suffix('.png')}")
+        for path in plots(new, results):
+            print(f"plot {path}")
     return 0

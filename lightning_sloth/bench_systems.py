@@ -11,6 +11,8 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
     hf_packed_varlen                 transformers + PEFT on the packed rows, attention by
                                      ``varlen_attn`` over ``cu_seqlens`` (our packed attention,
                                      nothing else of ours): the fair peer baseline.
+    hf_packed_varlen_per_layer       the same, the metadata derived from ``position_ids`` in
+                                     every layer (transformers' own way for packed rows).
     liger_packed_varlen              + Liger-Kernel's ``apply_liger_kernel_to_<family>`` (RMSNorm,
                                      RoPE, SwiGLU, fused linear cross-entropy).
     unsloth_packed                   Unsloth's ``FastLanguageModel`` (``use_gradient_checkpointing=
@@ -147,13 +149,18 @@ def per_layer_attention(module, query, key, value, attention_mask, dropout=0.0, 
     )
 
 
-def _sloth_per_layer_metadata(workload: Workload):
-    from transformers import AttentionInterface
+def _per_layer_metadata(setup: Callable) -> Callable:
+    """``setup`` with its attention switched to :func:`per_layer_attention`."""
 
-    model = bench._sloth(kernels=True)(workload)
-    AttentionInterface.register(PER_LAYER_ATTENTION, per_layer_attention)
-    model.get_base_model().set_attn_implementation(PER_LAYER_ATTENTION)
-    return model
+    def build(workload: Workload):
+        from transformers import AttentionInterface
+
+        model = setup(workload)
+        AttentionInterface.register(PER_LAYER_ATTENTION, per_layer_attention)
+        model.get_base_model().set_attn_implementation(PER_LAYER_ATTENTION)
+        return model
+
+    return build
 
 
 def _position_ids_only_batches(workload: Workload, samples, pad_id: int) -> Iterator:
@@ -184,6 +191,11 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "hf_packed_varlen": SuiteSystem(
         "transformers + PEFT, packed rows, varlen attention", _peft_varlen, bench._packed_batches
     ),
+    "hf_packed_varlen_per_layer": SuiteSystem(
+        "transformers + PEFT, packed rows, varlen attention, metadata derived per layer",
+        _per_layer_metadata(_peft_varlen),
+        _position_ids_only_batches,
+    ),
     "liger_packed_varlen": SuiteSystem(
         "Liger-Kernel + PEFT, packed rows, varlen attention", _liger_varlen, bench._packed_batches
     ),
@@ -198,7 +210,7 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth": SuiteSystem("lightning_sloth, kernels off (packed attention, checkpointing)"),
     "sloth_kernels_metadata_per_layer": SuiteSystem(
         "lightning_sloth, packing metadata derived per layer from position_ids",
-        _sloth_per_layer_metadata,
+        _per_layer_metadata(bench._sloth(kernels=True)),
         _position_ids_only_batches,
     ),
     "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),

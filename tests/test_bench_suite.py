@@ -15,7 +15,14 @@ from omegaconf import OmegaConf
 from lightning_sloth import bench_report, bench_suite, bench_systems
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKED = ["hf_packed_sdpa", "sloth_trainer", "sloth_kernels", "sloth_kernels_metadata_per_layer"]
+PACKED = [
+    "hf_packed_sdpa",
+    "hf_packed_varlen",
+    "hf_packed_varlen_per_layer",
+    "sloth_trainer",
+    "sloth_kernels",
+    "sloth_kernels_metadata_per_layer",
+]
 
 
 def tiny_config(out_dir: Path, systems: list[str]):
