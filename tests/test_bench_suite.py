@@ -163,3 +163,26 @@ def test_device_tags():
     assert bench_suite.device_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert bench_suite.device_tag("NVIDIA H200") == "h200"
     assert bench_suite.device_tag("CPU (x86_64, 2 cores)") == "cpu"
+
+
+@pytest.mark.parametrize("name", ["llama_3_2_1b", "qwen3_0_6b", "llama_3_1_8b", "tiny"])
+def test_every_scenario_config_composes_to_its_model(name, tmp_path):
+    with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"scenario={name}"])
+    scenario = OmegaConf.to_container(cfg.scenario)
+    workload = bench_suite.register_scenario(scenario)
+    assert workload.timed_steps >= 2 and workload.tokens_per_step >= 256
+    from transformers import AutoConfig
+
+    family = bench_systems.bench.SHAPE_FAMILIES.get(workload.shape, "llama")
+    config = AutoConfig.for_model(family, **bench_systems.bench.SHAPES[workload.shape])
+    if name == "qwen3_0_6b":
+        assert config.model_type == "qwen3"
+        assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (1024, 28, 128)
+        assert (config.num_attention_heads, config.num_key_value_heads) == (16, 8)
+        assert (config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == (
+            3072,
+            151936,
+            True,
+        )
+    assert list(cfg.systems.names)  # the default system set
