@@ -403,7 +403,7 @@ def _git_commit() -> str | None:
 def probe_environment(probe_size: int, probe_iters: int) -> dict:
     """Device, driver, versions and the measured bf16 matmul rate (run in the probe's own process)."""
     device = bench.bench_device()
-    env = bench.environment() | package_versions()
+    env = package_versions() | bench.environment()  # the running versions (torch's +cu suffix) win
     if device.type == "cpu":
         import platform
 
