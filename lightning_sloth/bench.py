@@ -24,6 +24,12 @@ Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
     sloth_kernels_without_<op>
                            every kernel but one (ablation; op from KERNEL_OPS).
 
+The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
+README tables and plots generated from them) is :mod:`lightning_sloth.bench_suite`::
+
+    python -m lightning_sloth.bench scenario=llama_3_2_1b systems=headline
+    python -m lightning_sloth.bench report
+
 Each system runs in its own fresh process (``--same-process`` turns that off), so no system's
 memory or allocator state leaks into the next one's peak.
 
@@ -78,7 +84,6 @@ SHAPES = {
     ),
     # Qwen3-30B-A3B's layer shape at 8 of its 48 layers (LoRA on attention and experts).
     "qwen3_30b_a3b_8l": dict(
-        model_type="qwen3_moe",
         hidden_size=2048,
         intermediate_size=6144,
         num_hidden_layers=8,
@@ -92,9 +97,29 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
     ),
+    "qwen3_0_6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
 }
 MOE_LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
             "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}  # fmt: skip
+
+# transformers model type of a shape; shapes not listed are Llamas.
+SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3", "qwen3_30b_a3b_8l": "qwen3_moe"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def bench_device() -> torch.device:
+    """Where the benchmark trains: the GPU when there is one, else the CPU (tests, tiny shapes)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
@@ -184,23 +209,30 @@ def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[
         yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
 
 
-def build_model(workload: Workload, attn: str, checkpointing: bool = True):
-    """A random-weight model of the workload's shape in bf16 (a Llama unless the shape names a
-    ``model_type``), with PEFT LoRA on all projections (a MoE shape: attention and experts)."""
-    from peft import LoraConfig, get_peft_model
+def build_base_model(workload: Workload, attn: str):
+    """The random-weight model of the workload's shape (family from :data:`SHAPE_FAMILIES`), bf16,
+    on :func:`bench_device`; seeded, so every system starts from the same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(workload.seed)
-    shape = dict(SHAPES[workload.shape])
-    model_type = shape.pop("model_type", "llama")
-    config = AutoConfig.for_model(model_type, **shape, attn_implementation=attn, use_cache=False)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    family = SHAPE_FAMILIES.get(workload.shape, "llama")
+    config = AutoConfig.for_model(family, **SHAPES[workload.shape], attn_implementation=attn, use_cache=False)
+    with torch.device(bench_device()):
+        return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+
+
+def build_model(workload: Workload, attn: str, checkpointing: bool = True):
+    """A random-weight model of the workload's shape in bf16, with PEFT LoRA on all projections (a MoE
+    shape: attention and experts)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_base_model(workload, attn)
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    moe = SHAPE_FAMILIES.get(workload.shape) in MOE_FAMILIES
     lora = LoraConfig(
         r=workload.lora_r,
         lora_alpha=2 * workload.lora_r,
-        **(MOE_LORA if model_type != "llama" else {"target_modules": projections}),
+        **(MOE_LORA if moe else {"target_modules": projections}),
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
@@ -516,4 +548,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from lightning_sloth.bench_suite import cli
+
+    cli(sys.argv[1:], legacy=main)

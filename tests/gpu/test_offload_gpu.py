@@ -255,18 +255,62 @@ def _h2d_seconds(nbytes: int) -> float:
     return statistics.median(times[1:])
 
 
-def test_prefetch_overlaps_copy_with_compute():
+def _overlap_us(interval: tuple[float, float], others: list[tuple[float, float]]) -> float:
+    """Microseconds of ``interval`` covered by the union of ``others``."""
+    covered, end = 0.0, interval[0]
+    for start, stop in sorted(others):
+        start, stop = max(start, end), min(stop, interval[1])
+        if stop > start:
+            covered += stop - start
+            end = stop
+    return covered
+
+
+def test_prefetch_overlaps_copy_with_compute(tmp_path):
+    """Double buffering runs each prefetch copy while the compute stream works.
+
+    Proved by what the streams did, not by time: a profiler trace of the backward lists every
+    host-to-device copy and every kernel with its stream and interval; each prefetched copy (all but
+    the first) must be covered, for most of its duration, by kernels running on other streams. The speed gained is in the benchmark
+    (``benchmarks/offload_bench.py``, ``sloth_kernels_offload_single`` in the suite).
+    """
+    import json
+
     blocks, rows, cols = 6, 8192, 8192  # fp32 inputs of 256 MiB: milliseconds per copy
     stack = _SlowCopyStack(rows, cols, inner=2048)
     copy_s = _h2d_seconds(rows * cols * 4)
     # Tune the compute so one block's recompute + backward takes about one copy.
     per_block = stack.backward_seconds(blocks, None) / blocks
     stack.reps = max(1, round(copy_s / per_block))
-    compute_s = stack.backward_seconds(blocks, None) / blocks
-    single = stack.backward_seconds(blocks, ActivationOffloader("on", double_buffer=False)) / blocks
-    double = stack.backward_seconds(blocks, ActivationOffloader("on", double_buffer=True)) / blocks
-    report = f"copy {copy_s * 1e3:.2f} ms, compute {compute_s * 1e3:.2f} ms, single {single * 1e3:.2f} ms, double {double * 1e3:.2f} ms"
-    # Single-buffered pays copy + compute for the offloaded blocks; double-buffered hides the copy.
-    assert single > compute_s + 0.5 * copy_s * (blocks - 1) / blocks, report
-    assert double < 1.25 * max(copy_s, compute_s), report
-    assert double < 0.8 * single, report
+    offloader = ActivationOffloader("on", double_buffer=True)
+    stack.backward_seconds(blocks, offloader)  # warm-up: host pool, copy stream
+    y = stack.x * 1.0
+    for i in range(blocks):
+        with offloader.saved_tensors_hooks(offload=i < blocks - 1):
+            y = checkpoint(stack.block, y, use_reentrant=False)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        y.backward(stack.grad)
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+
+    def intervals(category: str, name_part: str = "") -> list[tuple[float, float, int]]:
+        return [
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"]["stream"]))
+            for e in events
+            if e.get("cat") == category and name_part in e.get("name", "") and e.get("dur", 0) > 0
+        ]
+
+    copies = sorted(c for c in intervals("gpu_memcpy", "HtoD") if c[1] - c[0] > 100)  # the 256 MiB inputs
+    kernels = intervals("kernel")
+    assert len(copies) == blocks - 1, f"expected {blocks - 1} layer-input copies, got {copies}"
+    shares = []
+    for start, stop, stream in copies[1:]:
+        # Only kernels of other streams count: the copy runs beside them, not between them.
+        busy = _overlap_us((start, stop), [(a, b) for a, b, s in kernels if s != stream])
+        shares.append(busy / (stop - start))
+    assert all(share > 0.5 for share in shares), f"share of each prefetch copy under compute: {shares}"
+    assert offloader.stats()["prefetched"] >= blocks - 2

@@ -1,0 +1,309 @@
+"""README benchmark tables and plots, generated from the committed JSON under ``benchmarks/results/``.
+
+    python -m lightning_sloth.bench report            # rewrite the README blocks, draw the plots
+    python -m lightning_sloth.bench report --check    # exit 1 if the README differs from the JSON
+
+A README block is everything between two markers; its content is generated, never typed::
+
+    <!-- bench:NAME sources=a.json,b.json baseline=hf_padded -->
+    ...
+    <!-- /bench:NAME -->
+
+``sources`` (default ``NAME.json``) are read in order; a system measured in several keeps the last
+file's record, in the place it first appeared. ``baseline`` adds a column with each system's
+throughput relative to that system. A block of suite files (with a ``scenario``) gets a plot,
+``NAME.png`` beside them (tokens/s with the min-max spread of the timed steps, and peak memory),
+linked under its table; a suite file in no block gets ``<stem>.png``. Older result files lack some fields (spread,
+measured MFU, LoRA A/B norms, status): their cells read "—".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+MARKER = re.compile(
+    r"<!-- bench:(?P<name>[\w.-]+)(?P<params>[^>]*?) -->\n(?P<body>.*?)<!-- /bench:(?P=name) -->",
+    re.S,
+)
+
+# Names of systems measured by earlier versions of the harness (bench.SYSTEMS).
+EXTRA_LABELS = {
+    "sloth_kernels_compile": "lightning_sloth + regional compile",
+    "sloth_kernels_planned": 'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")',
+    "sloth_kernels_no_checkpointing": "lightning_sloth kernels, no checkpointing at all",
+}
+DASH = "—"
+
+
+def system_label(record: dict) -> str:
+    """What a table and a plot call a system."""
+    if record.get("label"):
+        return record["label"]
+    from lightning_sloth.bench_systems import SUITE_SYSTEMS
+
+    name = record["system"]
+    if name in SUITE_SYSTEMS:
+        return SUITE_SYSTEMS[name].label
+    if name in EXTRA_LABELS:
+        return EXTRA_LABELS[name]
+    match = re.fullmatch(r"sloth_kernels_offload_budget_(.+)gib", name)
+    if match:
+        return f"lightning_sloth + offload and a {match.group(1)} GiB activation budget"
+    return name
+
+
+def status(record: dict) -> str:
+    """``ok``, ``failed``, ``oom`` or ``error`` (older files mark only out-of-memory)."""
+    if "status" in record:
+        return record["status"]
+    return "oom" if record.get("oom") else "ok"
+
+
+def tokens_per_s(record: dict) -> float | None:
+    """Median real tokens/s over the timed steps (older files: total tokens over total time)."""
+    return record.get("tokens_per_s_median", record.get("tokens_per_s"))
+
+
+def merged_results(reports: list[dict]) -> list[dict]:
+    """The records of several result files, in order; a repeated system keeps the last record."""
+    order: list[str] = []
+    latest: dict[str, dict] = {}
+    for report in reports:
+        for record in report["results"]:
+            if record["system"] not in latest:
+                order.append(record["system"])
+            latest[record["system"]] = record
+    return [latest[name] for name in order]
+
+
+def _num(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return DASH
+    return format(value, fmt)
+
+
+def _pct(value) -> str:
+    return DASH if value is None else f"{value:.1%}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _row(record: dict, baseline: float | None) -> list[str]:
+    state = status(record)
+    label = _cell(system_label(record))
+    if state != "ok":
+        reason = record.get("reason") or record.get("error") or ""
+        return [label, f"**{state}**: {_cell(reason[:120])}"] + [DASH] * (6 if baseline else 5)
+    tps = tokens_per_s(record)
+    spread = DASH
+    if "tokens_per_s_min" in record:
+        spread = f"{record['tokens_per_s_min']:,.0f} – {record['tokens_per_s_max']:,.0f}"
+    cells = [label, f"{tps:,.0f}", spread]
+    if baseline:
+        cells.append(f"{tps / baseline:.2f}×")
+    cells.append(
+        f"{_num(record.get('peak_allocated_gib'), '.2f')} / {_num(record.get('peak_reserved_gib'), '.2f')}"
+    )
+    measured = record.get("mfu_measured")
+    datasheet = record.get("mfu_datasheet", record.get("mfu"))
+    cells.append(f"{_pct(measured)} / {_pct(datasheet)}")
+    cells.append(f"{_num(record.get('first_loss'), '.4f')} → {_num(record.get('last_loss'), '.4f')}")
+    a, b = record.get("lora_A_grad_norm"), record.get("lora_B_grad_norm")
+    if a is None and b is None:
+        grads = f"{_num(record.get('trainable_grad_norm'), '.3g')} (all)"
+    else:
+        grads = f"{_num(a, '.3g')} / {_num(b, '.3g')}"
+    cells.append(grads)
+    return cells
+
+
+def caption(reports: list[dict], sources: list[str]) -> str:
+    """One generated line naming the files, device, versions and workload behind a table."""
+    env, work = reports[-1]["environment"], reports[-1]["workload"]
+    parts = [env.get("device", "?")]
+    for key in ("torch", "triton", "transformers", "peft", "liger_kernel", "unsloth"):
+        if env.get(key):
+            parts.append(f"{key.replace('_', '-')} {env[key]}")
+    if env.get("driver"):
+        parts.append(f"driver {env['driver']}")
+    if env.get("matmul_probe_tflops"):
+        parts.append(f"measured bf16 matmul {env['matmul_probe_tflops']:.0f} TFLOP/s")
+    if env.get("git_commit"):
+        parts.append(f"commit {env['git_commit'][:10]}")
+    workload = (
+        f"{work['tokens_per_step']:,} tokens per step, LoRA r={work['lora_r']}, "
+        f"{work['warmup_steps']} warm-up + {work['timed_steps']} timed steps"
+    )
+    files = ", ".join(f"`{s}`" for s in sources)
+    return f"Generated from {files}: {', '.join(parts)}; {workload}."
+
+
+def render_table(reports: list[dict], sources: list[str], baseline_system: str | None) -> str:
+    """The markdown of one README block (caption and table)."""
+    rows = merged_results(reports)
+    baseline = None
+    if baseline_system:
+        base = next((r for r in rows if r["system"] == baseline_system and status(r) == "ok"), None)
+        baseline = tokens_per_s(base) if base else None
+    header = ["system", "real tokens/s", "min – max over steps"]
+    if baseline:
+        header.append(f"vs `{baseline_system}`")
+    header += [
+        "peak allocated / reserved GiB",
+        "MFU measured / datasheet",
+        "loss first → last",
+        "grad norm LoRA A / B",
+    ]
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    lines = [caption(reports, sources), "", "| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(_row(r, baseline)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _params(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split() if "=" in item)
+
+
+def _block_sources(match: re.Match) -> tuple[str, dict[str, str], list[str]]:
+    name, params = match.group("name"), _params(match.group("params"))
+    return name, params, params.get("sources", f"{name}.json").split(",")
+
+
+def _load(results_dir: Path, name: str, sources: list[str]) -> list[dict]:
+    reports = []
+    for source in sources:
+        path = results_dir / source
+        if not path.exists():
+            raise FileNotFoundError(f"README block {name!r}: no result file {path}")
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
+def merged_report(reports: list[dict]) -> dict:
+    """One report of several files of a scenario: the last file's environment, all records."""
+    return reports[-1] | {"results": merged_results(reports)}
+
+
+def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
+    """``text`` with every ``bench:`` block regenerated from the JSON in ``results_dir``.
+
+    A block whose files all come from the suite links its plot, ``<results_dir>/<NAME>.png``.
+    """
+
+    def block(match: re.Match) -> str:
+        name, params, sources = _block_sources(match)
+        reports = _load(results_dir, name, sources)
+        body = render_table(reports, sources, params.get("baseline"))
+        if all("scenario" in r for r in reports):
+            png = results_dir / f"{name}.png"
+            title = reports[0]["scenario"].get("title", name)
+            body += f"\n![{title}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
+        return f"<!-- bench:{name}{match.group('params')} -->\n{body}<!-- /bench:{name} -->"
+
+    return MARKER.sub(block, text)
+
+
+def plots(text: str, results_dir: Path) -> list[Path]:
+    """Draw the plot of every README block of suite files (``<NAME>.png``), and of every other
+    suite file (``<stem>.png``); returns the paths written."""
+    written, used = [], set()
+    for match in MARKER.finditer(text):
+        name, _, sources = _block_sources(match)
+        reports = _load(results_dir, name, sources)
+        if all("scenario" in r for r in reports):
+            plot(merged_report(reports), results_dir / f"{name}.png")
+            written.append(results_dir / f"{name}.png")
+            used.update(sources)
+    for path in suite_files(results_dir):
+        if path.name not in used:
+            plot(json.loads(path.read_text()), path.with_suffix(".png"))
+            written.append(path.with_suffix(".png"))
+    return written
+
+
+def plot(report: dict, path: Path) -> None:
+    """A PNG of one scenario: real tokens/s per system (bar: median, whisker: min-max over the
+    timed steps) and peak memory (allocated; reserved as the outline); failed systems marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    labels = [system_label(r) + ("" if status(r) == "ok" else f"  [{status(r)}]") for r in rows]
+    ok = [status(r) == "ok" for r in rows]
+    median = [tokens_per_s(r) if good else 0.0 for r, good in zip(rows, ok)]
+    low = [m - r.get("tokens_per_s_min", m) if good else 0.0 for r, m, good in zip(rows, median, ok)]
+    high = [r.get("tokens_per_s_max", m) - m if good else 0.0 for r, m, good in zip(rows, median, ok)]
+    alloc = [(r.get("peak_allocated_gib") or 0.0) if good else 0.0 for r, good in zip(rows, ok)]
+    reserved = [(r.get("peak_reserved_gib") or 0.0) if good else 0.0 for r, good in zip(rows, ok)]
+    y = list(range(len(rows)))[::-1]
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(13, 0.42 * len(rows) + 1.6), sharey=True, gridspec_kw={"width_ratios": [3, 2]}
+    )
+    colors = ["#2a7ab9" if r["system"].startswith("sloth") else "#8a8a8a" for r in rows]
+    left.barh(y, median, xerr=[low, high], color=colors, capsize=3)
+    left.set_xlabel("real (non-padding) tokens/s: median, whiskers min-max over timed steps")
+    left.set_yticks(y, labels, fontsize=8)
+    right.barh(y, reserved, color="none", edgecolor="#444444", linewidth=0.8, label="reserved")
+    right.barh(y, alloc, color=colors, label="allocated")
+    right.set_xlabel("peak GPU memory, GiB")
+    right.legend(loc="lower right", fontsize=8)
+    for axis in (left, right):
+        axis.grid(axis="x", alpha=0.3)
+    env = report["environment"]
+    title = report.get("scenario", {}).get("title", report["workload"]["shape"])
+    fig.suptitle(f"{title}: {env.get('device', '?')}, {report['workload']['tokens_per_step']:,} tokens/step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def suite_files(results_dir: Path) -> list[Path]:
+    """The suite's result files (those with a ``scenario``), sorted by name."""
+    out = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(data, dict) and "scenario" in data and "results" in data:
+            out.append(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_sloth.bench report",
+        description="Regenerate the README's benchmark tables and the plots from the result JSON.",
+    )
+    parser.add_argument("--results", default="benchmarks/results", help="folder of result JSON")
+    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    results, readme = Path(args.results), Path(args.readme)
+    text = readme.read_text()
+    new = update_readme(text, results, readme.resolve().parent)
+    if args.check:
+        if new != text:
+            print(
+                f"{readme}: benchmark tables differ from {results}; run `python -m lightning_sloth.bench report`"
+            )
+            return 1
+        print(f"{readme}: benchmark tables match {results}")
+        return 0
+    if new != text:
+        readme.write_text(new)
+    print(f"{readme}: {len(MARKER.findall(new))} benchmark tables generated")
+    if not args.no_plots:
+        for path in plots(new, results):
+            print(f"plot {path}")
+    return 0

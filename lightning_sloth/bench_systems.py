@@ -1,0 +1,237 @@
+"""Systems of the benchmark suite beyond :data:`lightning_sloth.bench.SYSTEMS`: the peers
+(transformers + PEFT with a varlen attention, Liger-Kernel, Unsloth), the optimisation ablations,
+and lightning_sloth through Lightning's ``Trainer``.
+
+A system is either a *loop* system, ``(setup(workload) -> model, batches(workload, samples,
+pad_id))`` exactly like the entries of ``bench.SYSTEMS`` (the suite trains it with its own loop),
+or a *trainer* system, run by ``Trainer.fit`` with a timing callback. Peers are optional imports
+of these functions only: the package never depends on them.
+
+Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
+    hf_packed_varlen                 transformers + PEFT on the packed rows, attention by
+                                     ``varlen_attn`` over ``cu_seqlens`` (our packed attention,
+                                     nothing else of ours): the fair peer baseline.
+    hf_packed_varlen_per_layer       the same, the metadata derived from ``position_ids`` in
+                                     every layer (transformers' own way for packed rows).
+    liger_packed_varlen              + Liger-Kernel's ``apply_liger_kernel_to_<family>`` (RMSNorm,
+                                     RoPE, SwiGLU, fused linear cross-entropy).
+    unsloth_packed                   Unsloth's ``FastLanguageModel`` (``use_gradient_checkpointing=
+                                     "unsloth"``) on the packed rows (``packed_seq_lengths``).
+    sloth_trainer                    ``Trainer(strategy=SlothStrategy(kernels=True),
+                                     plugins=[SlothPrecision("bf16-mixed")])`` around
+                                     ``CausalLMModule``: the user path.
+    sloth_kernels_metadata_per_layer every kernel, but the packed attention derives ``cu_seqlens``
+                                     and the longest document from ``position_ids`` in every layer
+                                     (a device-to-host sync each), as transformers does.
+    sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lightning_sloth import bench
+from lightning_sloth.bench import Workload
+
+PER_LAYER_ATTENTION = "sloth_per_layer"
+
+
+@dataclass(frozen=True)
+class SuiteSystem:
+    """One system of the suite.
+
+    Attributes:
+        label: what the README and the plots call it.
+        setup: ``setup(workload) -> model`` (loop systems).
+        batches: ``batches(workload, samples, pad_id)`` yielding ``(micro_batches, real_tokens,
+            sum_sq_lengths, target_tokens)`` per step (loop systems).
+        trainer: ``trainer(workload) -> dict`` of raw measurements (trainer systems).
+        preamble: Python run first in the system's fresh process (Unsloth wants to be imported
+            before transformers).
+    """
+
+    label: str
+    setup: Callable | None = None
+    batches: Callable | None = None
+    trainer: Callable | None = None
+    preamble: str = ""
+
+
+def _peft_varlen(workload: Workload):
+    """transformers + PEFT with its own checkpointing; only the attention is our packed one."""
+    from lightning_sloth.attention import enable_packed_attention
+
+    model = bench.build_model(workload, "sdpa")
+    enable_packed_attention(model)
+    return model
+
+
+def _liger_varlen(workload: Workload):
+    import liger_kernel.transformers as liger
+
+    family = bench.SHAPE_FAMILIES.get(workload.shape, "llama")
+    apply = getattr(liger, f"apply_liger_kernel_to_{family}")
+    # Class-level patches, so before the model is built; this process runs only this system.
+    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    return _peft_varlen(workload)
+
+
+def _unsloth(workload: Workload):
+    """The same random weights, saved and loaded through ``FastLanguageModel``."""
+    import tempfile
+
+    from unsloth import FastLanguageModel
+
+    from lightning_sloth.data import build_char_tokenizer
+
+    path = tempfile.mkdtemp(prefix="bench_unsloth_")
+    bench.build_base_model(workload, "sdpa").save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    model, _ = FastLanguageModel.from_pretrained(
+        path,
+        # The longest document, not the packed row: positions restart per document, and a longer
+        # max_seq_length would switch on RoPE scaling. Packed rows pass as such (packed_seq_lengths).
+        max_seq_length=workload.max_len,
+        dtype=torch.bfloat16,
+        load_in_4bit=False,
+        use_exact_model_name=True,
+        local_files_only=True,
+    )
+    return FastLanguageModel.get_peft_model(
+        model,
+        r=workload.lora_r,
+        lora_alpha=2 * workload.lora_r,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        use_gradient_checkpointing="unsloth",
+        random_state=workload.seed,
+    )
+
+
+def _unsloth_batches(workload: Workload, samples, pad_id: int) -> Iterator:
+    """The packed rows with Unsloth's own packing key (document lengths) instead of ``cu_seqlens``."""
+    for micro, tokens, sum_sq, targets in bench._packed_batches(workload, samples, pad_id):
+        inputs = micro[0]
+        lengths = inputs["cu_seq_lens_q"].diff().to(torch.int32)
+        keep = ("input_ids", "position_ids", "labels", "use_cache")
+        yield [{k: inputs[k] for k in keep} | {"packed_seq_lengths": lengths}], tokens, sum_sq, targets
+
+
+def per_layer_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The packed attention with its metadata rebuilt from ``position_ids`` in every layer.
+
+    ``cu_seqlens`` are the positions where ``position_ids`` restart at 0; the longest document
+    becomes a Python int through a device-to-host sync, once per layer (and per recompute).
+    """
+    from lightning_sloth.attention import sloth_attention_forward
+
+    positions = kwargs.pop("position_ids").reshape(-1)
+    starts = torch.nonzero(positions == 0).flatten()
+    cu_seqlens = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+    longest = int(cu_seqlens.diff().max())
+    return sloth_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout,
+        scaling,
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=longest,
+        max_length_k=longest,
+        **kwargs,
+    )
+
+
+def _per_layer_metadata(setup: Callable) -> Callable:
+    """``setup`` with its attention switched to :func:`per_layer_attention`."""
+
+    def build(workload: Workload):
+        from transformers import AttentionInterface
+
+        model = setup(workload)
+        AttentionInterface.register(PER_LAYER_ATTENTION, per_layer_attention)
+        model.get_base_model().set_attn_implementation(PER_LAYER_ATTENTION)
+        return model
+
+    return build
+
+
+def _position_ids_only_batches(workload: Workload, samples, pad_id: int) -> Iterator:
+    """The packed rows without ``cu_seq_lens``/``max_length``: packing shows only in ``position_ids``."""
+    drop = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    for micro, tokens, sum_sq, targets in bench._packed_batches(workload, samples, pad_id):
+        yield [{k: v for k, v in m.items() if k not in drop} for m in micro], tokens, sum_sq, targets
+
+
+def _sloth_offload_single(workload: Workload):
+    model = bench._sloth(kernels=True, offload="on")(workload)
+    model._sloth_report.offloader.double_buffer = False
+    return model
+
+
+def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
+    """The packed steps as :class:`~lightning_sloth.data.PackedBatch` objects, as a DataLoader yields them."""
+    from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
+
+    collate = PackedCollator(max_tokens=workload.tokens_per_step, pad_token_id=pad_id)
+    bins = pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step)
+    return [collate([samples[i] for i in idx]) for idx in bins]
+
+
+SUITE_SYSTEMS: dict[str, SuiteSystem] = {
+    "hf_padded": SuiteSystem("transformers + PEFT, SDPA, padded micro-batches of 8 (baseline)"),
+    "hf_packed_sdpa": SuiteSystem("transformers + PEFT, packed rows, its own SDPA"),
+    "hf_packed_varlen": SuiteSystem(
+        "transformers + PEFT, packed rows, varlen attention", _peft_varlen, bench._packed_batches
+    ),
+    "hf_packed_varlen_per_layer": SuiteSystem(
+        "transformers + PEFT, packed rows, varlen attention, metadata derived per layer",
+        _per_layer_metadata(_peft_varlen),
+        _position_ids_only_batches,
+    ),
+    "liger_packed_varlen": SuiteSystem(
+        "Liger-Kernel + PEFT, packed rows, varlen attention", _liger_varlen, bench._packed_batches
+    ),
+    "unsloth_packed": SuiteSystem(
+        'Unsloth, packed rows, use_gradient_checkpointing="unsloth"',
+        _unsloth,
+        _unsloth_batches,
+        preamble="import os\nos.environ.setdefault('UNSLOTH_DISABLE_STATISTICS', '1')\nimport unsloth\n",
+    ),
+    "sloth_trainer": SuiteSystem("lightning_sloth: Trainer + SlothStrategy(kernels=True) (user path)"),
+    "sloth_kernels": SuiteSystem("lightning_sloth: transform_model(kernels=True) (API path)"),
+    "sloth": SuiteSystem("lightning_sloth, kernels off (packed attention, checkpointing)"),
+    "sloth_kernels_metadata_per_layer": SuiteSystem(
+        "lightning_sloth, packing metadata derived per layer from position_ids",
+        _per_layer_metadata(bench._sloth(kernels=True)),
+        _position_ids_only_batches,
+    ),
+    "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),
+    "sloth_kernels_offload_single": SuiteSystem(
+        "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
+    ),
+}
+for _op in bench.KERNEL_OPS:
+    SUITE_SYSTEMS[f"sloth_kernels_without_{_op}"] = SuiteSystem(f"lightning_sloth, {_op} kernel off")
+
+
+def resolve(name: str) -> SuiteSystem:
+    """A suite system by name, completing loop systems from :func:`lightning_sloth.bench.resolve_system`
+    (so every system of ``bench.SYSTEMS`` runs in the suite too)."""
+    if name == "sloth_trainer":
+        from lightning_sloth.bench_suite import run_trainer_system
+
+        return SuiteSystem(SUITE_SYSTEMS[name].label, trainer=run_trainer_system)
+    system = SUITE_SYSTEMS.get(name)
+    if system is not None and system.setup is not None:
+        return system
+    setup, batches = bench.resolve_system(name)
+    label = system.label if system is not None else name
+    return SuiteSystem(label, setup, batches, preamble=system.preamble if system else "")

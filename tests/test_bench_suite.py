@@ -1,0 +1,188 @@
+"""The benchmark suite end to end on CPU (tiny scenario), its guard, and the generated README tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from lightning_sloth import bench_report, bench_suite, bench_systems
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKED = [
+    "hf_packed_sdpa",
+    "hf_packed_varlen",
+    "hf_packed_varlen_per_layer",
+    "sloth_trainer",
+    "sloth_kernels",
+    "sloth_kernels_metadata_per_layer",
+]
+
+
+def tiny_config(out_dir: Path, systems: list[str]):
+    with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
+        return compose(
+            config_name="config",
+            overrides=[
+                "scenario=tiny",
+                f"systems.names=[{','.join(systems)}]",
+                "isolate=false",
+                f"out_dir={out_dir}",
+                "probe.size=128",
+                "probe.iters=2",
+                "git_commit=0123456789abcdef",
+            ],
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    torch.manual_seed(0)
+    report = bench_suite.run_suite(tiny_config(out, ["hf_padded", *PACKED]))
+    return out, report
+
+
+def test_tiny_scenario_writes_one_complete_json(tiny_run):
+    out, report = tiny_run
+    [path] = sorted(out.glob("*.json"))
+    assert path.name == "bench_tiny_cpu.json"
+    saved = json.loads(path.read_text())
+    assert saved == json.loads(json.dumps(report))
+    env = saved["environment"]
+    for key in ("device", "driver", "torch", "triton", "transformers", "peft", "liger_kernel", "unsloth"):
+        assert key in env  # None when absent
+    assert env["git_commit"] == "0123456789abcdef" and env["matmul_probe_tflops"] > 0
+    assert saved["scenario"]["name"] == "tiny" and saved["workload"]["timed_steps"] == 2
+    assert [r["system"] for r in saved["results"]] == ["hf_padded", *PACKED]
+    for record in saved["results"]:
+        assert record["status"] == "ok", record
+        assert record["tokens_per_s_min"] <= record["tokens_per_s_median"] <= record["tokens_per_s_max"]
+        assert len(record["tokens_per_s_steps"]) == 2 and record["mfu_measured"] > 0
+        assert record["lora_A_grad_norm"] > 0 and record["lora_B_grad_norm"] > 0
+        assert math.isfinite(record["first_loss"]) and math.isfinite(record["last_loss"])
+        assert "peak_allocated_gib" in record and "peak_reserved_gib" in record
+
+
+def test_every_packed_system_trains_the_same_model_on_the_same_rows(tiny_run):
+    # Same weights, same packed rows, same LoRA: the first loss agrees (bf16 autocast), whichever
+    # path (plain loop, Trainer, kernels, per-layer metadata) trained it.
+    _, report = tiny_run
+    first = {r["system"]: r["first_loss"] for r in report["results"]}
+    for name in PACKED[1:]:
+        assert first[name] == pytest.approx(first["hf_packed_sdpa"], rel=2e-3), name
+
+
+def test_report_writes_readme_table_and_plot_deterministically(tiny_run, tmp_path):
+    out, _ = tiny_run
+    results = tmp_path / "results"
+    shutil.copytree(out, results)
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "intro\n<!-- bench:bench_tiny_cpu baseline=hf_padded -->\nstale\n<!-- /bench:bench_tiny_cpu -->\nend\n"
+    )
+    args = ["--results", str(results), "--readme", str(readme)]
+    assert bench_report.main(args) == 0
+    first = readme.read_text()
+    png = (results / "bench_tiny_cpu.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    assert bench_report.main(args) == 0
+    assert readme.read_text() == first and (results / "bench_tiny_cpu.png").read_bytes() == png
+    assert bench_report.main([*args, "--check"]) == 0
+    assert "stale" not in first and first.startswith("intro\n") and first.endswith("end\n")
+    assert "![tiny Llama" in first and "](results/bench_tiny_cpu.png)" in first
+    table = [line for line in first.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + 1 + len(PACKED)
+    assert "| 1.00× |" in table[2]  # the baseline row
+    readme.write_text(first.replace(table[3], table[3].replace("|", "| 1 |", 1)))
+    assert bench_report.main([*args, "--check"]) == 1
+
+
+def test_guard_fails_a_run_with_zeroed_gradients(monkeypatch):
+    def zero_grads(workload):
+        model = bench_systems.bench._sloth()(workload)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(torch.zeros_like)
+        return model
+
+    system = bench_systems.SuiteSystem("zeroed", zero_grads, bench_systems.bench._packed_batches)
+    monkeypatch.setitem(bench_systems.SUITE_SYSTEMS, "zeroed", system)
+    scenario = OmegaConf.to_container(tiny_config(Path("/tmp"), ["sloth"])["scenario"])
+    scenario["workload"] |= {"warmup_steps": 0, "timed_steps": 1}
+    record = bench_suite.measure("zeroed", scenario)
+    assert record["status"] == "failed"
+    assert record["reason"] == "trainable gradients are all zero"
+
+
+def test_guard_reasons():
+    assert bench_suite.guard({"losses": [1.0, 0.9], "grad_norm": 0.5}) is None
+    assert "loss not finite" in bench_suite.guard({"losses": [1.0, float("nan")], "grad_norm": 0.5})
+    assert "not finite" in bench_suite.guard({"losses": [1.0], "grad_norm": float("inf")})
+    assert "no trainable" in bench_suite.guard({"losses": [1.0], "grad_norm": None})
+
+
+def test_committed_readme_tables_match_the_committed_json():
+    text = (ROOT / "README.md").read_text()
+    assert bench_report.MARKER.search(text), "the README has generated benchmark tables"
+    once = bench_report.update_readme(text, ROOT / "benchmarks" / "results", ROOT)
+    assert once == text, "README benchmark tables are stale: run `python -m lightning_sloth.bench report`"
+    assert bench_report.update_readme(once, ROOT / "benchmarks" / "results", ROOT) == once
+
+
+def test_failed_and_older_records_render():
+    rows = [
+        {"system": "hf_padded", "tokens_per_s": 100.0, "peak_allocated_gib": 1.0, "mfu": 0.1},
+        {"system": "sloth_kernels", "oom": True, "error": "CUDA out of memory | x"},
+        {"system": "sloth", "status": "failed", "reason": "loss not finite (nan)", "tokens_per_s": 9e9},
+    ]
+    report = {
+        "environment": {"device": "X"},
+        "workload": dict(tokens_per_step=1, lora_r=1, warmup_steps=0, timed_steps=1),
+        "results": rows,
+    }
+    table = bench_report.render_table([report], ["x.json"], "hf_padded")
+    assert "**oom**: CUDA out of memory \\| x" in table
+    assert "**failed**: loss not finite" in table and "9,000,000,000" not in table
+
+
+def test_unknown_system_or_scenario_key_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="unknown system 'fast'"):
+        bench_suite.run_suite(tiny_config(tmp_path, ["fast"]))
+    with pytest.raises(ValueError, match="unknown workload keys"):
+        bench_suite.register_scenario({"name": "x", "shape": "tiny", "workload": {"token_per_step": 1}})
+
+
+def test_device_tags():
+    assert bench_suite.device_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench_suite.device_tag("NVIDIA H200") == "h200"
+    assert bench_suite.device_tag("CPU (x86_64, 2 cores)") == "cpu"
+
+
+@pytest.mark.parametrize("name", ["llama_3_2_1b", "qwen3_0_6b", "llama_3_1_8b", "tiny"])
+def test_every_scenario_config_composes_to_its_model(name, tmp_path):
+    with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"scenario={name}"])
+    scenario = OmegaConf.to_container(cfg.scenario)
+    workload = bench_suite.register_scenario(scenario)
+    assert workload.timed_steps >= 2 and workload.tokens_per_step >= 256
+    from transformers import AutoConfig
+
+    family = bench_systems.bench.SHAPE_FAMILIES.get(workload.shape, "llama")
+    config = AutoConfig.for_model(family, **bench_systems.bench.SHAPES[workload.shape])
+    if name == "qwen3_0_6b":
+        assert config.model_type == "qwen3"
+        assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (1024, 28, 128)
+        assert (config.num_attention_heads, config.num_key_value_heads) == (16, 8)
+        assert (config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == (
+            3072,
+            151936,
+            True,
+        )
+    assert list(cfg.systems.names)  # the default system set
