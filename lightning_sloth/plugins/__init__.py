@@ -7,13 +7,19 @@ from lightning_sloth.plugins.callbacks import (
     SlothThroughputMonitor,
 )
 from lightning_sloth.plugins.precision import SlothPrecision, resolve_precision
-from lightning_sloth.plugins.strategy import SlothDDPStrategy, SlothStrategy, find_hf_model
+from lightning_sloth.plugins.strategy import (
+    SlothDDPStrategy,
+    SlothFSDPStrategy,
+    SlothStrategy,
+    find_hf_model,
+)
 
 __all__ = [
     "GradientFlowError",
     "GradientFlowGuard",
     "SaveAdapter",
     "SlothDDPStrategy",
+    "SlothFSDPStrategy",
     "SlothPrecision",
     "SlothStrategy",
     "SlothThroughputMonitor",
