@@ -125,11 +125,13 @@ def fit(
     accelerator: str = "cpu",
     num_train: int = 48,
     shuffle: bool = True,
+    hidden: int = 64,
+    max_tokens: int = 256,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` on the current (external) process pair."""
     seed_everything(0, verbose=False)
-    data = datamodule(num_train, shuffle=shuffle)
-    model = tiny_model(family, len(data.tokenizer))
+    data = datamodule(num_train, max_tokens=max_tokens, shuffle=shuffle)
+    model = tiny_model(family, len(data.tokenizer), hidden=hidden)
     module = CausalLMModule(
         model,
         lora=LoraSettings(r=4) if lora else None,
@@ -160,6 +162,8 @@ def fit(
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     recorder.grad_norm = callbacks[1].last_grad_norm
     recorder.strategy_report = list(trainer.strategy.sloth_report.applied)
+    offloader = trainer.strategy.offloader
+    recorder.offload_stats = offloader.stats() if offloader is not None else {}
     return recorder
 
 
@@ -190,21 +194,34 @@ def run(scenario: Callable[[Path], dict], tmp: Path) -> dict[int, dict]:
         return dict(results)
 
 
-def reference_step(family: str, lora: bool, step_rank0: dict, step_rank1: dict, device: str = "cpu"):
+def reference_step(
+    family: str,
+    lora: bool,
+    step_rank0: dict,
+    step_rank1: dict,
+    device: str = "cpu",
+    hidden: int = 64,
+    bf16_autocast: bool = False,
+):
     """One process, the same global batch: ``(loss, grads, grad_norm)`` of one optimizer step.
 
     The loss is the sum of token losses over every micro-batch of both ranks divided by all
-    their target tokens; parameters are the ones the sharded run used at that step.
+    their target tokens; parameters are the ones the sharded run used at that step. Float32
+    with plain modules, or (``bf16_autocast``) bf16 autocast with the kernels on.
     """
     data_vocab = len(build_char_tokenizer())
-    module = CausalLMModule(tiny_model(family, data_vocab), lora=LoraSettings(r=4) if lora else None)
+    model = tiny_model(family, data_vocab, hidden=hidden)
+    module = CausalLMModule(model, lora=LoraSettings(r=4) if lora else None)
     module.load_state_dict(step_rank0["params"], strict=True)
     module.to(device).train()
-    transform_model(module, packed_attention=True, gradient_checkpointing=False)
+    transform_model(
+        module, packed_attention=True, gradient_checkpointing=False, kernels=bf16_autocast or None
+    )
     total, count = 0.0, 0
     for batch in step_rank0["batches"] + step_rank1["batches"]:
         batch = batch.to(device)
-        out = module.model(**batch.model_inputs(), labels=batch.labels)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16_autocast):
+            out = module.model(**batch.model_inputs(), labels=batch.labels)
         total = total + out.loss.float() * batch.num_target_tokens
         count += batch.num_target_tokens
     loss = total / count
@@ -261,4 +278,25 @@ def parity_and_resume(tmp: Path) -> dict:
         "checkpoint_is_dir": first.is_dir(),
         "checkpoint_files": sorted(p.name for p in first.iterdir()) if first.is_dir() else [],
     }
+    return out
+
+
+def gpu_parity_and_offload(tmp: Path) -> dict:
+    """The CUDA scenario: bf16-mixed with the Triton kernels (LoRA and full fine-tuning of a
+    Llama), and LoRA with activation offload on and off (float32, layer inputs over 1 MiB)."""
+    out: dict = {}
+    ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
+    for lora in (True, False):
+        recorder = fit("llama", lora, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256)
+        out[lora] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
+    out["ops"] = dict(ops)
+    for offload in ("off", "on"):
+        recorder = fit(
+            "llama", True, kernels=True, offload=offload, accelerator="gpu", hidden=512, max_tokens=1024
+        )
+        out[offload] = {
+            "grads": recorder.steps[0].get("grads"),
+            "losses": recorder.losses,
+            "stats": recorder.offload_stats,
+        }
     return out
