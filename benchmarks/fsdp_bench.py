@@ -220,10 +220,24 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
 def run_system(system: str, args) -> dict:
     world = SYSTEM_PROCESSES[system] or args.gpus
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(world, free_port(), system, args, out_dir), nprocs=world, start_method="spawn"
+        context = mp.start_processes(
+            _worker,
+            args=(world, free_port(), system, args, out_dir),
+            nprocs=world,
+            start_method="spawn",
+            join=False,
         )
-        ranks = [json.loads(Path(out_dir, f"{system}_{r}.json").read_text()) for r in range(world)]
+        deadline = time.monotonic() + args.system_timeout
+        # A rank that failed leaves the other waiting in a collective: stop both at the deadline.
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                return {"system": system, "world": world, "error": f"timed out after {args.system_timeout} s"}
+        files = [Path(out_dir, f"{system}_{r}.json") for r in range(world)]
+        ranks = [json.loads(f.read_text()) for f in files if f.is_file()]
+        if len(ranks) < world:
+            return {"system": system, "world": world, "error": "a rank wrote no result"}
     merged = next((r for r in ranks if "error" in r), ranks[0]).copy()
     merged.pop("rank")
     if "error" not in merged:
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    parser.add_argument("--system-timeout", type=float, default=180, help="seconds per system")
     parser.add_argument("--out", default=None, help="JSON file; results of earlier runs in it are kept")
     args = parser.parse_args(argv)
 
