@@ -123,3 +123,29 @@ def test_hydra_trainer_fsdp_on_one_device_is_refused(hydra_conf, tmp_path):
 def test_resume_auto_finds_a_sharded_checkpoint_directory(tmp_path):
     (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
     assert build.resolve_resume("auto", tmp_path) == str(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_slurm_launcher_config_takes_one_task_per_device(hydra_conf):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    overrides = ["hydra/launcher=slurm", "trainer=fsdp", "trainer.devices=4", "trainer.num_nodes=2"]
+    launcher = compose("train", overrides=overrides, return_hydra_config=True).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+
+
+def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, monkeypatch):
+    """A SLURM job of num_nodes x devices tasks: every task is one rank, nothing is re-launched
+    (also under ``-m``, where the submitit launcher runs the job inside each task)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    slurm = dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NAME="lightning-sloth")
+    slurm |= dict(
+        SLURM_NODELIST="node1", SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0", SLURM_JOB_ID="7"
+    )
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu"])
+    trainer = build.build_trainer(cfg, tmp_path, multirun=True, callbacks=[], loggers=False)
+    assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
+    assert trainer.strategy.launcher is None
+    assert trainer.global_rank == 1 and trainer.world_size == 2
