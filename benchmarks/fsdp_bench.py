@@ -98,6 +98,12 @@ def _stock_module_class():
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
 
+        def configure_optimizers(self):
+            # Lightning's MixedPrecision refuses to clip the gradients of an optimizer that
+            # unscales inside its step (fused AdamW), so the stock recipe steps foreach AdamW.
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            return torch.optim.AdamW(params, lr=self.optim.lr, foreach=True)
+
     return StockFSDPModule
 
 
