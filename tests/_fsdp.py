@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothFSDPStrategy, SlothPrecision
 from lightning_sloth.data import PackedBatch, PackedDataModule, SyntheticTask, build_char_tokenizer
-from lightning_sloth.plugins import GradientFlowGuard
+from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter
 from lightning_sloth.plugins.strategy import transform_model
 
 ACCUMULATE = 2
@@ -127,6 +127,7 @@ def fit(
     shuffle: bool = True,
     hidden: int = 64,
     max_tokens: int = 256,
+    export_dir: Path | None = None,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` on the current (external) process pair."""
     seed_everything(0, verbose=False)
@@ -141,6 +142,8 @@ def fit(
     callbacks: list[Callback] = [recorder, GradientFlowGuard(every_n_steps=1)]
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1))
+    if export_dir is not None:
+        callbacks.append(SaveAdapter(export_dir))
     trainer = Trainer(
         accelerator=accelerator,
         devices=WORLD,
@@ -164,7 +167,28 @@ def fit(
     recorder.strategy_report = list(trainer.strategy.sloth_report.applied)
     offloader = trainer.strategy.offloader
     recorder.offload_stats = offloader.stats() if offloader is not None else {}
+    if export_dir is not None:
+        recorder.export = _compare_export(module, export_dir, lora, trainer.is_global_zero)
     return recorder
+
+
+def _compare_export(module: CausalLMModule, export_dir: Path, lora: bool, rank_zero: bool) -> dict:
+    """What the exported file holds against the trained weights gathered from the shards."""
+    from safetensors.torch import load_file
+
+    from lightning_sloth.plugins.sharding import full_state_dict
+
+    weights = full_state_dict(module.model)  # a collective: every rank
+    if not rank_zero:
+        return {}
+    saved = load_file(export_dir / ("adapter_model.safetensors" if lora else "model.safetensors"))
+    matched, max_diff = 0, 0.0
+    for key, value in saved.items():
+        name = key.replace(".weight", ".default.weight") if lora else key
+        if name in weights:
+            matched += 1
+            max_diff = max(max_diff, float((weights[name] - value).abs().max()))
+    return {"saved": len(saved), "matched": matched, "max_diff": max_diff}
 
 
 def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results) -> None:
@@ -255,8 +279,9 @@ def parity_and_resume(tmp: Path) -> dict:
     out: dict = {}
     ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
     for family, lora, kernels in PARITY_CASES:
-        recorder = fit(family, lora, kernels=kernels)
+        recorder = fit(family, lora, kernels=kernels, export_dir=tmp / f"export_{family}_{lora}")
         out[(family, lora)] = {
+            "export": recorder.export,
             "steps": recorder.steps,
             "losses": recorder.losses,
             "grad_norm": recorder.grad_norm,

@@ -53,6 +53,13 @@ def test_loss_and_gradients_equal_one_process_on_the_global_batch(runs, family, 
     assert record["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+@pytest.mark.parametrize("family,lora,kernels", _fsdp.PARITY_CASES)
+def test_export_holds_the_trained_weights_gathered_from_the_shards(runs, family, lora, kernels):
+    export = runs[0][(family, lora)]["export"]  # adapter (PEFT format) or the full model
+    assert export["saved"] > 0 and export["matched"] == export["saved"]
+    assert export["max_diff"] == 0.0
+
+
 def test_kernel_ops_see_local_tensors_under_fsdp(runs):
     ops = runs[0]["ops"]
     assert ops["rms_norm"] > 0 and ops["linear_cross_entropy"] > 0 and ops["fused_lora_forward"] > 0
