@@ -19,6 +19,7 @@ from lightning_sloth.config import (
     JsonlDataConfig,
     PretrainedModelConfig,
     RandomModelConfig,
+    Sharding,
     Switch,
     SyntheticDataConfig,
 )
@@ -258,16 +259,25 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
 
 
 def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = False) -> Strategy:
-    """``SlothStrategy`` for one process, else ``SlothDDPStrategy`` started per :func:`ddp_start_method`.
+    """``SlothStrategy`` for one process, else ``SlothDDPStrategy`` (or ``SlothFSDPStrategy`` with
+    ``trainer.sharding: fsdp``) started per :func:`ddp_start_method`.
 
     Args:
         sloth: the ``sloth`` node (the model transformations).
         trainer: the ``trainer`` node (``devices``, ``num_nodes``, ``accelerator``).
         multirun: the job runs under Hydra's ``-m`` (``HydraConfig.get().mode == MULTIRUN``).
     """
-    from lightning_sloth.plugins import SlothDDPStrategy, SlothStrategy
+    from lightning_sloth.plugins import SlothDDPStrategy, SlothFSDPStrategy, SlothStrategy
 
     settings = sloth_settings(sloth)
+    if trainer.sharding is Sharding.fsdp:
+        # One process is refused by the strategy itself, with a message saying what to use.
+        return SlothFSDPStrategy(
+            start_method=ddp_start_method(multirun),
+            reshard_after_forward=trainer.fsdp_reshard_after_forward,
+            cpu_offload=trainer.fsdp_cpu_offload,
+            **settings,
+        )
     if num_processes(trainer) == 1:
         return SlothStrategy(**settings)
     return SlothDDPStrategy(start_method=ddp_start_method(multirun), **settings)
@@ -370,14 +380,15 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> str | None:
 
     Args:
         resume: ``"auto"`` (``<output_dir>/checkpoints/last.ckpt`` if it exists, else none), a
-            checkpoint path (must exist), or ``None`` (start fresh).
+            checkpoint path (must exist), or ``None`` (start fresh). A sharded (FSDP2)
+            checkpoint is a directory.
         output_dir: the job's output directory.
     """
     if resume is None:
         return None
     if resume == "auto":
         last = Path(output_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
-        return str(last) if last.is_file() else None
-    if not Path(resume).is_file():
+        return str(last) if last.exists() else None
+    if not Path(resume).exists():
         raise FileNotFoundError(f"resume: checkpoint {resume!r} does not exist")
     return str(resume)

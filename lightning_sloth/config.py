@@ -74,6 +74,13 @@ class Switch(Enum):
     off = "off"
 
 
+class Sharding(Enum):
+    """How several processes split the model: ``ddp`` replicates it, ``fsdp`` shards it (FSDP2)."""
+
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
 class LoadDtype(Enum):
     """dtype a pretrained checkpoint is loaded in (``auto``: the checkpoint's own)."""
 
@@ -212,6 +219,10 @@ class TrainerConfig:
     Attributes:
         devices: devices per node; ``-1`` takes every visible GPU. More than one process in all
             selects the DDP strategy (see ``lightning_sloth.build.build_strategy``).
+        sharding: with several processes, ``ddp`` (replicas) or ``fsdp`` (FSDP2 shards,
+            ``SlothFSDPStrategy``; ``trainer=fsdp``).
+        fsdp_reshard_after_forward: FSDP2 frees each layer's gathered weights after its forward.
+        fsdp_cpu_offload: FSDP2 keeps sharded weights, gradients and optimizer states on the host.
         max_epochs: ``-1`` lets ``max_steps`` alone end the run.
         val_check_interval: validate every this many training batches (counted across epochs).
         limit_val_batches: validate on at most this many batches (``None``: all).
@@ -224,6 +235,9 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: int = 1
     num_nodes: int = 1
+    sharding: Sharding = Sharding.ddp
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
     max_steps: int = 300
     max_epochs: int = -1
     val_check_interval: int = 50

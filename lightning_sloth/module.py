@@ -19,6 +19,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sloth.data.batch import IGNORE_INDEX, PackedBatch
+from lightning_sloth.token_loss import GlobalTokenLoss
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -184,6 +185,7 @@ class CausalLMModule(LightningModule):
         self.val_exact_match = MeanMetric()
         self.val_token_acc: MulticlassAccuracy | None = None
         self.flops_per_batch: int | None = None
+        self.token_loss = GlobalTokenLoss()
         if self.model is not None:
             self._init_metrics()
 
@@ -212,7 +214,28 @@ class CausalLMModule(LightningModule):
         self.flops_per_batch = self._estimate_flops(batch)
         self.log("train/loss", out.loss, prog_bar=True, batch_size=batch.num_target_tokens)
         self.log("train/packing_efficiency", batch.efficiency, batch_size=1)
+        if self._global_token_loss:
+            return self.token_loss.loss(out.loss, batch.num_target_tokens)
         return out.loss
+
+    @property
+    def _global_token_loss(self) -> bool:
+        """Whether the strategy asks for the loss normalised by the step's global target tokens."""
+        return self._trainer is not None and getattr(self.trainer.strategy, "global_token_loss", False)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        if self._global_token_loss and optimizer_closure is not None:
+            closure = optimizer_closure
+
+            def optimizer_closure():
+                # After the step's last backward, before clipping and the optimizer step.
+                result = closure()
+                self.token_loss.rescale_gradients(
+                    self.parameters(), self.trainer.world_size, self.trainer.accumulate_grad_batches
+                )
+                return result
+
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         logits = self(batch)[0].float()

@@ -8,7 +8,12 @@ from lightning_sloth.plugins.callbacks import (
     SlothThroughputMonitor,
 )
 from lightning_sloth.plugins.precision import SlothPrecision, resolve_precision
-from lightning_sloth.plugins.strategy import SlothDDPStrategy, SlothStrategy, find_hf_model
+from lightning_sloth.plugins.strategy import (
+    SlothDDPStrategy,
+    SlothFSDPStrategy,
+    SlothStrategy,
+    find_hf_model,
+)
 
 __all__ = [
     "ExpertLoadMonitor",
@@ -16,6 +21,7 @@ __all__ = [
     "GradientFlowGuard",
     "SaveAdapter",
     "SlothDDPStrategy",
+    "SlothFSDPStrategy",
     "SlothPrecision",
     "SlothStrategy",
     "SlothThroughputMonitor",

@@ -62,6 +62,8 @@ class GradientFlowGuard(Callback):
         if not grads:
             raise GradientFlowError(f"step {step}: no trainable parameter received a gradient")
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm, reduced over ranks
+            norm = norm.full_tensor()
         norm = float(norm)
         self.last_grad_norm = norm
         if not torch.isfinite(torch.tensor(norm)):
@@ -84,15 +86,18 @@ class SaveAdapter(Callback):
     def __init__(self, dirpath: str | Path) -> None:
         self.dirpath = Path(dirpath)
 
-    @rank_zero_only
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_sloth.plugins.sharding import full_state_dict
         from lightning_sloth.plugins.strategy import find_hf_model
 
         model = getattr(pl_module, "model", None)
         if model is None or not hasattr(model, "save_pretrained"):
             model = find_hf_model(pl_module)
-        model.save_pretrained(str(self.dirpath))
-        log.info("saved adapter to %s", self.dirpath)
+        # Sharded (FSDP2) weights are gathered on rank 0 first: a collective on every rank.
+        state_dict = full_state_dict(model)
+        if trainer.is_global_zero:
+            model.save_pretrained(str(self.dirpath), state_dict=state_dict)
+            log.info("saved adapter to %s", self.dirpath)
 
 
 class ExpertLoadMonitor(Callback):

@@ -10,7 +10,9 @@ transformers model inside the LightningModule and applies, in place (:func:`tran
 4. regional ``torch.compile`` of each decoder layer.
 
 Placement, precision conversion and DDP wrapping are Lightning's own: ``SlothStrategy`` extends
-``SingleDeviceStrategy`` and ``SlothDDPStrategy`` extends ``DDPStrategy``.
+``SingleDeviceStrategy`` and ``SlothDDPStrategy`` extends ``DDPStrategy``. ``SlothFSDPStrategy``
+extends ``ModelParallelStrategy`` (FSDP2) and shards the transformed model itself: ``fully_shard``
+per decoder layer, then the root (``lightning_sloth.plugins.sharding``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+)
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -174,15 +182,22 @@ class _SlothSetup:
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         from lightning_sloth.quant.linear import check_checkpoint_quantization
 
-        check_checkpoint_quantization(self.lightning_module, checkpoint["state_dict"])
+        # A sharded (FSDP2) checkpoint is loaded into the model by the strategy itself: no flat state dict.
+        if "state_dict" in checkpoint:
+            check_checkpoint_quantization(self.lightning_module, checkpoint["state_dict"])
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def setup(self, trainer) -> None:
+        report = self.apply_transformations()
+        log.info("SlothStrategy applied: %s", ", ".join(report.applied) or "nothing")
+        super().setup(trainer)
+
+    def apply_transformations(self) -> SlothReport:
+        """:func:`transform_model` on the LightningModule, before Lightning places and wraps it."""
         report = transform_model(self.lightning_module, **self.sloth_settings)
         self.sloth_report = report
         self.offloader = report.offloader
-        log.info("SlothStrategy applied: %s", ", ".join(report.applied) or "nothing")
-        super().setup(trainer)
+        return report
 
 
 class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
@@ -241,5 +256,125 @@ class SlothDDPStrategy(_SlothSetup, DDPStrategy):
         )
 
 
+class _ShardedSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, handing the main process the trained weights gathered from
+    the shards (the stock one sends rank 0's ``state_dict()``, whose ``DTensor`` shards cannot be
+    loaded into the main process's plain module)."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        from lightning_sloth.plugins.sharding import full_state_dict
+
+        module = trainer.lightning_module
+        weights = full_state_dict(module)  # a collective: every rank takes part
+        module.state_dict = lambda *args, **kwargs: weights
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
+    """FSDP2 with lightning_sloth's model transformations (``Trainer(strategy="sloth_fsdp")``).
+
+    At ``setup`` the model is transformed as by :class:`SlothStrategy` (kernels, packed attention,
+    checkpointing and offload hooks, regional compile), then sharded over all processes:
+    ``fully_shard`` on every decoder layer (LoRA adapters share their layer's unit with the frozen
+    base weights), then on the transformers model as root. Mixed precision is FSDP2's
+    ``MixedPrecisionPolicy`` derived from the Trainer's precision plugin
+    (:func:`~lightning_sloth.plugins.sharding.mixed_precision_policy`); ``clip_grad_norm_`` and
+    AdamW (fused on CUDA) work on the sharded ``DTensor`` parameters. ``CausalLMModule``
+    normalises the loss by the step's global number of target tokens
+    (:class:`~lightning_sloth.token_loss.GlobalTokenLoss`). Checkpoints are Lightning's
+    distributed (sharded) checkpoints: ``last.ckpt`` is a directory.
+
+    Args:
+        start_method: ``"popen"`` (Lightning re-runs the script per process; the default) or
+            ``"spawn"`` (processes forked from this one; the Hydra app uses it under ``-m``).
+            Ignored where the cluster starts the processes (torchrun, SLURM).
+        reshard_after_forward: free each layer's gathered weights after its forward (``False``:
+            keep them for the backward, fewer all-gathers, more memory).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy``: sharded weights, gradients and optimizer
+            states in host memory.
+        save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
+        *args, **kwargs: :class:`SlothStrategy`'s transformation settings; ``process_group_backend``
+            and ``timeout`` go to ``ModelParallelStrategy``.
+
+    Raises:
+        ShardingError: fewer than two processes, a model without a decoder-layer stack, a model
+            already sharded, trainable parameters outside the transformers model, ``16-mixed``,
+            or no process group.
+    """
+
+    strategy_name = "sloth_fsdp"
+    # CausalLMModule reads this: the loss of a step is normalised by the global target tokens.
+    global_token_loss = True
+
+    def __init__(
+        self,
+        *args: Any,
+        start_method: str = "popen",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        self._start_method = start_method
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+
+    def _configure_launcher(self) -> None:
+        from lightning_sloth.plugins.sharding import ShardingError
+
+        if self.num_nodes * self.num_processes < 2:
+            raise ShardingError(
+                "sloth_fsdp shards the model over several processes but this run has one device; "
+                "use strategy='sloth' on one device, or devices>=2 / num_nodes>=2"
+            )
+        if self._start_method == "spawn" and not self.cluster_environment.creates_processes_externally:
+            self._launcher = _ShardedSpawnLauncher(self, start_method="spawn")
+        else:
+            super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        # One data-parallel dimension over every process (ModelParallelStrategy's "auto" would
+        # make the processes of a node a tensor-parallel group).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def apply_transformations(self) -> SlothReport:
+        """Transform, convert to a true half dtype if asked, then ``fully_shard`` (in this order)."""
+        from lightning_sloth.plugins.sharding import mixed_precision_policy, shard_model, shardable_layers
+
+        policy = mixed_precision_policy(self.precision_plugin.precision)
+        hf_model = find_hf_model(self.lightning_module)
+        shardable_layers(hf_model)  # refuse before transforming anything
+        report = super().apply_transformations()
+        if self.precision_plugin.precision.endswith("-true"):
+            self.precision_plugin.convert_module(self.lightning_module)  # in place, before sharding
+        layers = shard_model(
+            self.lightning_module,
+            hf_model,
+            self.device_mesh["data_parallel"],
+            policy,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+        )
+        report.applied.append(f"fully_shard ({layers} decoder layers, then the root)")
+        return report
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="lightning_sloth, FSDP2 (subprocess launch)"
+        )
+        strategy_registry.register(
+            "sloth_fsdp_spawn", cls, description="lightning_sloth, FSDP2 (spawn launch)", start_method="spawn"
+        )
+
+
 SlothStrategy.register_strategies(StrategyRegistry)
 SlothDDPStrategy.register_strategies(StrategyRegistry)
+SlothFSDPStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,137 @@
+"""FSDP2 pieces of ``SlothFSDPStrategy``: sharding plan, precision policy, full state dicts.
+
+The strategy transforms the model first (kernels, packed attention, checkpointing + offload
+hooks, all of which replace forwards or set attributes and so must see the plain modules), then
+:func:`shard_model` applies ``fully_shard`` to every decoder layer and last to the transformers
+model as root::
+
+    LlamaForCausalLM  (root unit: embed_tokens, norm, lm_head; tied weights stay one parameter)
+      model.layers[0]  (one unit: attention, MLP, norms, and their LoRA A/B next to the frozen base)
+      model.layers[1]  ...
+
+Inside a unit's forward its parameters are plain, unsharded tensors again (FSDP2 all-gathers them
+in a forward pre-hook), so the Triton ops, the fused LoRA and the fused linear cross-entropy
+never see a ``DTensor``. transformers runs a layer's checkpoint inside the layer's ``forward``,
+after FSDP2's pre-hook: the all-gather is outside the checkpoint and recomputation reuses the
+parameters the backward pre-hook gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+class ShardingError(ValueError):
+    """The model, precision or launch cannot be sharded by ``SlothFSDPStrategy``."""
+
+
+def mixed_precision_policy(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a ``SlothPrecision`` mode.
+
+    ``bf16-mixed``: float32 sharded weights, all-gathered and computed in bfloat16, gradients
+    reduced in float32 (the optimizer steps float32 weights). ``bf16-true``/``16-true``: the
+    weights are half already (converted before sharding); gradients are reduced in float32.
+    ``32-true``: no casting anywhere. ``16-mixed`` is refused: its loss scaler is not wired to
+    sharded gradients.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision in ("bf16-true", "16-true"):
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    if precision == "32-true":
+        return MixedPrecisionPolicy()
+    raise ShardingError(
+        f"sloth_fsdp does not support precision {precision!r} (fp16 loss scaling over sharded "
+        "gradients is not wired); use bf16-mixed, bf16-true or 32-true"
+    )
+
+
+def shardable_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers ``fully_shard`` wraps one by one (:func:`find_decoder_layers`)."""
+    from lightning_sloth.offload import find_decoder_layers
+
+    try:
+        return find_decoder_layers(model)
+    except TypeError as error:
+        raise ShardingError(
+            f"sloth_fsdp shards transformers decoder models layer by layer; {type(model).__name__} "
+            "has no stack of decoder layers (nn.ModuleList of GradientCheckpointingLayer) to shard"
+        ) from error
+
+
+def shard_model(
+    lightning_module: nn.Module,
+    hf_model: nn.Module,
+    mesh,
+    policy,
+    *,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> int:
+    """``fully_shard`` each decoder layer of ``hf_model``, then ``hf_model`` itself; in place.
+
+    Args:
+        lightning_module: the module being trained; every trainable parameter must live in
+            ``hf_model`` (one outside would train unsynchronised on each rank).
+        hf_model: the transformers ``PreTrainedModel`` (inside PEFT's wrapper when LoRA is on).
+        mesh: the 1-D data-parallel ``DeviceMesh``.
+        policy: :func:`mixed_precision_policy`'s result.
+        reshard_after_forward: free each layer's gathered weights after its forward (ZeRO-3);
+            ``False`` keeps them until the backward (ZeRO-2: more memory, fewer all-gathers).
+        cpu_offload: keep the sharded weights, gradients and optimizer states in host memory.
+
+    Returns:
+        The number of decoder layers sharded.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ShardingError(
+            "sloth_fsdp needs an initialised torch.distributed process group: launch through "
+            "Trainer(strategy='sloth_fsdp', devices=N) (or torchrun/SLURM), not a bare process"
+        )
+    if any(isinstance(m, FSDPModule) for m in lightning_module.modules()):
+        raise ShardingError(
+            "the model is already sharded (fully_shard was applied, e.g. in configure_model); "
+            "SlothFSDPStrategy shards it itself: leave configure_model to build the model"
+        )
+    inside = {id(p) for p in hf_model.parameters()}
+    outside = [n for n, p in lightning_module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise ShardingError(
+            f"sloth_fsdp shards the transformers model only; trainable parameters outside it "
+            f"would not be synchronised: {outside[:5]}"
+        )
+    layers = shardable_layers(hf_model)
+    kwargs: dict[str, Any] = dict(
+        mesh=mesh,
+        mp_policy=policy,
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's weights (embedding, final norm, lm_head) are needed again at once by the
+    # backward: never reshard them after the forward.
+    fully_shard(hf_model, reshard_after_forward=False, **kwargs)
+    return len(layers)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s state dict with every ``DTensor`` gathered, in host memory, on global rank 0.
+
+    A collective: every rank calls it; other ranks get ``{}``. Without sharded parameters it is
+    the plain ``state_dict`` (on every rank).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        return module.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=options)

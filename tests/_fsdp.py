@@ -1,0 +1,327 @@
+"""Two-process ``SlothFSDPStrategy`` runs (CPU/gloo and CUDA/NCCL tests) and their one-process reference.
+
+Imported as ``import _fsdp`` (``tests/`` is on ``sys.path``; spawned workers find it the same way).
+The workers are started the way torchrun starts them: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` in
+the environment, so Lightning's cluster environment sees externally created processes, and one
+worker pair runs several ``Trainer.fit`` calls on one process group (starting processes is the
+slow part on a CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from _ddp import WORLD, free_port
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothFSDPStrategy, SlothPrecision
+from lightning_sloth.data import PackedBatch, PackedDataModule, SyntheticTask, build_char_tokenizer
+from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter
+from lightning_sloth.plugins.strategy import transform_model
+
+ACCUMULATE = 2
+
+
+def tiny_model(family: str, vocab: int, hidden: int = 64, layers: int = 2):
+    """Random-weight float32 Llama or Qwen3 (seeded), GQA 2:1."""
+    torch.manual_seed(0)
+    common = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        use_cache=False,
+    )
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+
+
+def datamodule(num_train: int = 48, max_tokens: int = 256, shuffle: bool = True) -> PackedDataModule:
+    return PackedDataModule(
+        build_char_tokenizer(),
+        train=SyntheticTask(num_train, seed=1),
+        val=None,
+        max_tokens=max_tokens,
+        shuffle=shuffle,
+    )
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu().clone()
+
+
+class Recorder(Callback):
+    """Per optimizer step: this rank's micro-batches; on rank 0 also the full (gathered)
+    parameters the step's forward used and the full gradients it produced. ``losses``: every
+    micro-batch's loss, in order (the last one of a step ends after the optimizer step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.losses: list[float] = []
+        self._batches: list[PackedBatch] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batches.append(batch.to("cpu"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        named = list(pl_module.named_parameters())
+        grads = {n: _full(p.grad) for n, p in named if p.grad is not None}  # collectives: every rank
+        params = {n: _full(p) for n, p in named}
+        step = {"batches": self._batches}
+        if trainer.is_global_zero:
+            step |= {"params": params, "grads": grads}
+        self.steps.append(step)
+        self._batches = []
+
+
+def _op_spy(names: tuple[str, ...]) -> dict[str, int]:
+    """Wrap the ops the kernel forwards call; count calls and calls that saw a ``DTensor``."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_sloth.patching import _forwards
+
+    counts = {"dtensor_args": 0}
+
+    def spy(name: str, op: Callable) -> Callable:
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            values = [*args, *kwargs.values()]
+            counts["dtensor_args"] += sum(isinstance(v, DTensor) for v in values)
+            if name == "fused_lora_forward":  # the module's weights are read inside
+                module = args[0]
+                counts["dtensor_args"] += sum(isinstance(p, DTensor) for p in module.parameters())
+            return op(*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(_forwards, name, spy(name, getattr(_forwards, name)))
+    return counts
+
+
+def fit(
+    family: str,
+    lora: bool,
+    *,
+    precision: str = "32-true",
+    kernels: bool = False,
+    offload: str = "off",
+    max_steps: int = 2,
+    max_epochs: int = -1,
+    ckpt_dir: Path | None = None,
+    ckpt_path: str | None = None,
+    accelerator: str = "cpu",
+    num_train: int = 48,
+    shuffle: bool = True,
+    hidden: int = 64,
+    max_tokens: int = 256,
+    export_dir: Path | None = None,
+) -> Recorder:
+    """One ``Trainer.fit`` with ``SlothFSDPStrategy`` on the current (external) process pair."""
+    seed_everything(0, verbose=False)
+    data = datamodule(num_train, max_tokens=max_tokens, shuffle=shuffle)
+    model = tiny_model(family, len(data.tokenizer), hidden=hidden)
+    module = CausalLMModule(
+        model,
+        lora=LoraSettings(r=4) if lora else None,
+        optimizer=OptimizerSettings(lr=1e-2, scheduler="constant"),
+    )
+    recorder = Recorder()
+    callbacks: list[Callback] = [recorder, GradientFlowGuard(every_n_steps=1)]
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1))
+    if export_dir is not None:
+        callbacks.append(SaveAdapter(export_dir))
+    trainer = Trainer(
+        accelerator=accelerator,
+        devices=WORLD,
+        strategy=SlothFSDPStrategy(kernels=kernels or None, offload=offload),
+        plugins=[SlothPrecision(precision)],
+        callbacks=callbacks,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=1e6,  # clips nothing: the sharded-gradient norm is still computed
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=ckpt_dir or os.getcwd(),
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    recorder.grad_norm = callbacks[1].last_grad_norm
+    recorder.strategy_report = list(trainer.strategy.sloth_report.applied)
+    offloader = trainer.strategy.offloader
+    recorder.offload_stats = offloader.stats() if offloader is not None else {}
+    if export_dir is not None:
+        recorder.export = _compare_export(module, export_dir, lora, trainer.is_global_zero)
+    return recorder
+
+
+def _compare_export(module: CausalLMModule, export_dir: Path, lora: bool, rank_zero: bool) -> dict:
+    """What the exported file holds against the trained weights gathered from the shards."""
+    from safetensors.torch import load_file
+
+    from lightning_sloth.plugins.sharding import full_state_dict
+
+    weights = full_state_dict(module.model)  # a collective: every rank
+    if not rank_zero:
+        return {}
+    saved = load_file(export_dir / ("adapter_model.safetensors" if lora else "model.safetensors"))
+    matched, max_diff = 0, 0.0
+    for key, value in saved.items():
+        name = key.replace(".weight", ".default.weight") if lora else key
+        if name in weights:
+            matched += 1
+            max_diff = max(max_diff, float((weights[name] - value).abs().max()))
+    return {"saved": len(saved), "matched": matched, "max_diff": max_diff}
+
+
+def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        NODE_RANK="0",
+    )
+    torch.set_num_threads(1)
+    try:
+        results[local_rank] = scenario(Path(tmp))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run(scenario: Callable[[Path], dict], tmp: Path) -> dict[int, dict]:
+    """``{rank: scenario(tmp)}`` from two processes started like torchrun does."""
+    with mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _worker, args=(free_port(), scenario, str(tmp), results), nprocs=WORLD, start_method="spawn"
+        )
+        return dict(results)
+
+
+def reference_step(
+    family: str,
+    lora: bool,
+    step_rank0: dict,
+    step_rank1: dict,
+    device: str = "cpu",
+    hidden: int = 64,
+    bf16_autocast: bool = False,
+):
+    """One process, the same global batch: ``(loss, grads, grad_norm)`` of one optimizer step.
+
+    The loss is the sum of token losses over every micro-batch of both ranks divided by all
+    their target tokens; parameters are the ones the sharded run used at that step. Float32
+    with plain modules, or (``bf16_autocast``) bf16 autocast with the kernels on.
+    """
+    data_vocab = len(build_char_tokenizer())
+    model = tiny_model(family, data_vocab, hidden=hidden)
+    module = CausalLMModule(model, lora=LoraSettings(r=4) if lora else None)
+    module.load_state_dict(step_rank0["params"], strict=True)
+    module.to(device).train()
+    transform_model(
+        module, packed_attention=True, gradient_checkpointing=False, kernels=bf16_autocast or None
+    )
+    total, count = 0.0, 0
+    for batch in step_rank0["batches"] + step_rank1["batches"]:
+        batch = batch.to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16_autocast):
+            out = module.model(**batch.model_inputs(), labels=batch.labels)
+        total = total + out.loss.float() * batch.num_target_tokens
+        count += batch.num_target_tokens
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in module.named_parameters() if p.grad is not None}
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+    return loss.detach().cpu(), grads, float(norm)
+
+
+def global_loss(record0: dict, record1: dict, step: int) -> float:
+    """Step ``step``'s loss over both ranks from the recorded per-micro-batch means and counts."""
+    window = slice(step * ACCUMULATE, (step + 1) * ACCUMULATE)
+    batches = record0["steps"][step]["batches"] + record1["steps"][step]["batches"]
+    losses = record0["losses"][window] + record1["losses"][window]
+    count = sum(b.num_target_tokens for b in batches)
+    return sum(loss * b.num_target_tokens for loss, b in zip(losses, batches)) / count
+
+
+PARITY_CASES = (
+    ("llama", True, True),
+    ("llama", False, False),
+    ("qwen3", True, False),
+    ("qwen3", False, True),
+)
+
+
+def parity_and_resume(tmp: Path) -> dict:
+    """The CPU scenario: LoRA and full fine-tuning of tiny Llama and Qwen3 (kernels on for two of
+    them, the ops spied on), then a run of two epochs and one resumed from its first epoch's
+    sharded checkpoint."""
+    out: dict = {}
+    ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
+    for family, lora, kernels in PARITY_CASES:
+        recorder = fit(family, lora, kernels=kernels, export_dir=tmp / f"export_{family}_{lora}")
+        out[(family, lora)] = {
+            "export": recorder.export,
+            "steps": recorder.steps,
+            "losses": recorder.losses,
+            "grad_norm": recorder.grad_norm,
+            "report": recorder.strategy_report,
+        }
+    out["ops"] = dict(ops)
+    # The same packing every epoch: Lightning sets the sampler epoch of the first epoch after a
+    # resume from an epoch-end checkpoint to the checkpoint's epoch (its "processed" count), so a
+    # reshuffled epoch would differ from the uninterrupted run for reasons unrelated to sharding.
+    ckpt_dir = tmp / "ckpt"
+    settings = dict(max_steps=-1, max_epochs=2, num_train=32, shuffle=False)
+    full = fit("llama", True, ckpt_dir=ckpt_dir, **settings)
+    first = sorted(ckpt_dir.iterdir())[0]
+    resumed = fit("llama", True, ckpt_path=str(first), **settings)
+    out["resume"] = {
+        "full": full.losses,
+        "resumed": resumed.losses,
+        "checkpoint": first.name,
+        "checkpoint_is_dir": first.is_dir(),
+        "checkpoint_files": sorted(p.name for p in first.iterdir()) if first.is_dir() else [],
+    }
+    return out
+
+
+def gpu_parity_and_offload(tmp: Path) -> dict:
+    """The CUDA scenario: bf16-mixed with the Triton kernels (LoRA and full fine-tuning of a
+    Llama), and LoRA with activation offload on and off (float32, layer inputs over 1 MiB)."""
+    out: dict = {}
+    ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
+    for lora in (True, False):
+        recorder = fit("llama", lora, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256)
+        out[lora] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
+    out["ops"] = dict(ops)
+    for offload in ("off", "on"):
+        recorder = fit(
+            "llama", True, kernels=True, offload=offload, accelerator="gpu", hidden=512, max_tokens=1024
+        )
+        out[offload] = {
+            "grads": recorder.steps[0].get("grads"),
+            "losses": recorder.losses,
+            "stats": recorder.offload_stats,
+        }
+    return out

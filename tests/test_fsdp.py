@@ -1,0 +1,158 @@
+"""SlothFSDPStrategy (FSDP2) on two CPU processes (gloo): parity with one process, resume, errors.
+
+One worker pair (started like torchrun starts processes) runs every training case of this file;
+the tests below read its records. The reference is one process on the same global batch: the
+sum of token losses over both ranks' micro-batches divided by all their target tokens.
+"""
+
+import _fsdp
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import nn
+
+from lightning_sloth import SlothFSDPStrategy, build
+from lightning_sloth.config import Sharding
+from lightning_sloth.plugins.sharding import (
+    ShardingError,
+    mixed_precision_policy,
+    shard_model,
+    shardable_layers,
+)
+from lightning_sloth.plugins.strategy import _ShardedSpawnLauncher
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _fsdp.run(_fsdp.parity_and_resume, tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.mark.parametrize("family,lora,kernels", _fsdp.PARITY_CASES)
+def test_loss_and_gradients_equal_one_process_on_the_global_batch(runs, family, lora, kernels):
+    record = runs[0][(family, lora)]
+    other = runs[1][(family, lora)]
+    assert any("fully_shard" in step for step in record["report"])
+    assert ("kernels" in record["report"]) == kernels
+    assert len(record["steps"]) == 2
+    assert len(record["steps"][0]["batches"]) == _fsdp.ACCUMULATE
+    for index, (step0, step1) in enumerate(zip(record["steps"], other["steps"])):
+        # An epoch's last window may be shorter; the normalisation stays exact there too.
+        assert len(step0["batches"]) == len(step1["batches"])
+        # Each rank packed its own share: different batches, different target counts.
+        assert not torch.equal(step0["batches"][0].input_ids, step1["batches"][0].input_ids)
+        loss, grads, norm = _fsdp.reference_step(family, lora, step0, step1)
+        torch.testing.assert_close(_fsdp.global_loss(record, other, index), float(loss), rtol=1e-5, atol=0)
+        assert grads.keys() == step0["grads"].keys()
+        assert all(("lora_" in n) == lora for n in grads) or not lora
+        for name, grad in grads.items():
+            atol = 1e-5 * float(grad.abs().max())  # float32 sums in another order
+            torch.testing.assert_close(step0["grads"][name], grad, rtol=1e-5, atol=atol, msg=name)
+    # GradientFlowGuard's norm over the sharded gradients (last step) is the global norm.
+    assert record["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("family,lora,kernels", _fsdp.PARITY_CASES)
+def test_export_holds_the_trained_weights_gathered_from_the_shards(runs, family, lora, kernels):
+    export = runs[0][(family, lora)]["export"]  # adapter (PEFT format) or the full model
+    assert export["saved"] > 0 and export["matched"] == export["saved"]
+    assert export["max_diff"] == 0.0
+
+
+def test_kernel_ops_see_local_tensors_under_fsdp(runs):
+    ops = runs[0]["ops"]
+    assert ops["rms_norm"] > 0 and ops["linear_cross_entropy"] > 0 and ops["fused_lora_forward"] > 0
+    assert ops["dtensor_args"] == 0
+
+
+def test_resume_from_a_sharded_checkpoint_continues_the_same_loss_curve(runs):
+    for rank in (0, 1):
+        resume = runs[rank]["resume"]
+        assert resume["checkpoint_is_dir"] and ".metadata" in resume["checkpoint_files"]
+        full, resumed = resume["full"], resume["resumed"]
+        assert len(full) == 2 * len(resumed) and len(resumed) >= 2
+        torch.testing.assert_close(resumed, full[len(resumed) :], rtol=1e-6, atol=0)
+
+
+def test_one_device_is_refused_with_a_clear_error():
+    with pytest.raises(ShardingError, match="one device; use strategy='sloth'"):
+        Trainer(accelerator="cpu", devices=1, strategy="sloth_fsdp", logger=False)
+
+
+def test_sharding_without_a_process_group_is_refused():
+    model = _fsdp.tiny_model("llama", 50)
+    with pytest.raises(ShardingError, match="initialised torch.distributed process group"):
+        shard_model(model, model, None, mixed_precision_policy("32-true"))
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    with pytest.raises(ShardingError, match="no stack of decoder layers"):
+        shardable_layers(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_fp16_loss_scaling_is_refused():
+    with pytest.raises(ShardingError, match="bf16-mixed, bf16-true or 32-true"):
+        mixed_precision_policy("16-mixed")
+    assert mixed_precision_policy("bf16-mixed").param_dtype == torch.bfloat16
+    assert mixed_precision_policy("bf16-mixed").reduce_dtype == torch.float32
+    assert mixed_precision_policy("32-true").param_dtype is None
+
+
+@pytest.fixture(scope="module")
+def hydra_conf():
+    with initialize_config_module("lightning_sloth.conf", version_base="1.3"):
+        yield
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_hydra_trainer_fsdp_builds_the_fsdp_strategy(hydra_conf, tmp_path, multirun):
+    cfg = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu"])
+    assert cfg.trainer.sharding is Sharding.fsdp and cfg.trainer.devices == 2
+    assert cfg.trainer.max_steps == 300  # the rest comes from trainer/default.yaml
+    trainer = build.build_trainer(cfg, tmp_path, multirun=multirun, callbacks=[], loggers=False)
+    strategy = trainer.strategy
+    assert type(strategy) is SlothFSDPStrategy and strategy.global_token_loss
+    if multirun:
+        # `-m` must not re-run sys.argv (the whole sweep) in the extra processes: spawn them.
+        assert isinstance(strategy.launcher, _ShardedSpawnLauncher)
+        assert strategy.launcher._start_method == "spawn"
+    else:
+        assert isinstance(strategy.launcher, _SubprocessScriptLauncher)
+
+
+def test_hydra_trainer_fsdp_on_one_device_is_refused(hydra_conf, tmp_path):
+    cfg = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1"])
+    with pytest.raises(ShardingError, match="strategy='sloth'"):
+        build.build_trainer(cfg, tmp_path, callbacks=[], loggers=False)
+
+
+def test_resume_auto_finds_a_sharded_checkpoint_directory(tmp_path):
+    (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    assert build.resolve_resume("auto", tmp_path) == str(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_slurm_launcher_config_takes_one_task_per_device(hydra_conf):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    overrides = ["hydra/launcher=slurm", "trainer=fsdp", "trainer.devices=4", "trainer.num_nodes=2"]
+    launcher = compose("train", overrides=overrides, return_hydra_config=True).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+
+
+def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, monkeypatch):
+    """A SLURM job of num_nodes x devices tasks: every task is one rank, nothing is re-launched
+    (also under ``-m``, where the submitit launcher runs the job inside each task)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    slurm = dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NAME="lightning-sloth")
+    slurm |= dict(
+        SLURM_NODELIST="node1", SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0", SLURM_JOB_ID="7"
+    )
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu"])
+    trainer = build.build_trainer(cfg, tmp_path, multirun=True, callbacks=[], loggers=False)
+    assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
+    assert trainer.strategy.launcher is None
+    assert trainer.global_rank == 1 and trainer.world_size == 2
