@@ -11,6 +11,8 @@ Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
                            accumulated to the step's token budget (the baseline).
     hf_packed_sdpa         transformers + PEFT on our packed rows with its own SDPA (packing alone,
                            transformers detects the documents from position_ids).
+    hf_packed_flex         the same with transformers' FlexAttention (the packed baseline for
+                           GPT-OSS, which has no SDPA path).
     sloth                  packed rows + packed attention (``SlothStrategy()``).
     sloth_kernels          + Triton kernels (``SlothStrategy(kernels=True)``).
     sloth_kernels_compile  + regional compile.
@@ -97,6 +99,9 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
     ),
+    # GPT-OSS-20B's layer shape (GptOssConfig's defaults: hidden 2880, 64/8 heads of 64, experts of
+    # 2880, alternating 128-token sliding-window and full attention, sinks) at 8 of its 24 layers.
+    "gpt_oss_20b_8l": dict(num_hidden_layers=8, num_local_experts=32, num_experts_per_tok=4),
     "qwen3_0_6b": dict(
         hidden_size=1024,
         intermediate_size=3072,
@@ -113,7 +118,7 @@ MOE_LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
             "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}  # fmt: skip
 
 # transformers model type of a shape; shapes not listed are Llamas.
-SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3", "qwen3_30b_a3b_8l": "qwen3_moe"}
+SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3", "qwen3_30b_a3b_8l": "qwen3_moe", "gpt_oss_20b_8l": "gpt_oss"}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
@@ -247,7 +252,9 @@ def _sloth(**settings) -> Callable:
     def setup(workload: Workload):
         from lightning_sloth.plugins.strategy import transform_model
 
-        model = build_model(workload, "sdpa", checkpointing=False)
+        # The packed attention replaces whatever is built with; GPT-OSS has no SDPA path to build with.
+        attn = "eager" if SHAPE_FAMILIES.get(workload.shape) == "gpt_oss" else "sdpa"
+        model = build_model(workload, attn, checkpointing=False)
         model._sloth_report = transform_model(model, **settings)
         return model
 
@@ -257,6 +264,9 @@ def _sloth(**settings) -> Callable:
 SYSTEMS: dict[str, tuple[Callable, Callable]] = {
     "hf_padded": (lambda w: build_model(w, "sdpa"), _hf_padded_batches),
     "hf_packed_sdpa": (lambda w: build_model(w, "sdpa"), _packed_batches),
+    # transformers' FlexAttention on the packed rows (documents found from position_ids): the packed
+    # baseline for families without SDPA (GPT-OSS's attention sinks).
+    "hf_packed_flex": (lambda w: build_model(w, "flex_attention"), _packed_batches),
     "sloth": (_sloth(), _packed_batches),
     "sloth_kernels": (_sloth(kernels=True), _packed_batches),
     "sloth_kernels_compile": (_sloth(kernels=True, compile=True), _packed_batches),
