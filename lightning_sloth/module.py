@@ -128,9 +128,11 @@ def document_exact_match(preds: Tensor, targets: Tensor, cu_seqlens: Tensor) -> 
     positions = torch.arange(targets.numel(), device=targets.device)
     doc = torch.bucketize(positions, cu_seqlens[1:].to(positions.dtype), right=True)
     has_target = targets != IGNORE_INDEX
+    # float32 explicitly: under a half-precision default dtype (``bf16-true``) zeros() would be bf16.
+    counts = dict(dtype=torch.float32, device=targets.device)
     wrong = (has_target & (preds != targets)).float()
-    wrong_per_doc = torch.zeros(num_docs, device=targets.device).index_add_(0, doc, wrong)
-    targets_per_doc = torch.zeros(num_docs, device=targets.device).index_add_(0, doc, has_target.float())
+    wrong_per_doc = torch.zeros(num_docs, **counts).index_add_(0, doc, wrong)
+    targets_per_doc = torch.zeros(num_docs, **counts).index_add_(0, doc, has_target.float())
     return (wrong_per_doc[targets_per_doc > 0] == 0).float()
 
 

@@ -25,6 +25,20 @@ def test_document_exact_match_per_document():
     assert document_exact_match(preds, targets, cu).tolist() == [1.0, 0.0]
 
 
+def test_document_exact_match_under_a_half_precision_default_dtype():
+    # bf16-true validation runs under torch.set_default_dtype(torch.bfloat16)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    targets = torch.tensor([1, 2, -100, 3, 4, -100])
+    preds = torch.tensor([1, 2, 9, 3, 0, 9])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        exact = document_exact_match(preds, targets, cu)
+    finally:
+        torch.set_default_dtype(previous)
+    assert exact.dtype == torch.float32 and exact.tolist() == [1.0, 0.0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
