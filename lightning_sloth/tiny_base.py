@@ -10,9 +10,10 @@ tasks it learns, 15% the instruction format the app fine-tunes on::
     reverse(hello)=olleh        upper(ab cd)=AB CD        repeat 3(ab)=ababab     (85%)
     reverse: hello\nolleh       copy: abc\nabc                                   (15%)
 
-It comes out knowing the skills but sloppy in the instruction format: greedy decoding of the
-app's validation prompts is right about half of the time (repeat 0.71, reverse 0.50, upper 0.33
-on 48 prompts), and the LoRA fine-tune takes that to the numbers the README states.
+It comes out knowing the skills but sloppy in the instruction format: greedy decoding of
+instruction prompts is right about half of the time (repeat 0.71, reverse 0.50, upper 0.33 on 48
+prompts), and the app's default LoRA fine-tune (``reverse`` and ``repeat``) takes that to the
+numbers the README states.
 
 Rebuild (bit for bit on the same device type and software: fixed seeds, deterministic ops, eager
 attention, a fixed thread count)::
@@ -45,13 +46,13 @@ from lightning_sloth.data.tokenizer import build_char_tokenizer
 log = logging.getLogger(__name__)
 
 TINY_BASE_DIR = Path(__file__).parent / "assets" / "tiny_base"
-#: Tasks the app's default run fine-tunes on (``data.tasks`` of ``conf/data/synthetic.yaml``).
-FINETUNE_TASKS = ("reverse", "upper", "repeat")
+#: Tasks whose function-call exact match is logged while pretraining.
+EVAL_TASKS = ("reverse", "upper", "repeat")
 # The order of the two lists below is part of the recipe (it decides the documents drawn).
 #: Every task of the pretraining text (``sort`` and ``add`` are beyond a model this small).
-PRETRAIN_TASKS = (*FINETUNE_TASKS, "copy", "next", "last")
+PRETRAIN_TASKS = ("reverse", "upper", "repeat", "copy", "next", "last")
 #: Tasks the base also sees in the instruction format (15% of its documents).
-INSTRUCTION_TASKS = ("copy", "next", "last", *FINETUNE_TASKS)
+INSTRUCTION_TASKS = ("copy", "next", "last", "reverse", "upper", "repeat")
 MODEL_SHAPE = dict(
     hidden_size=128,
     intermediate_size=384,
@@ -163,7 +164,7 @@ def pretrain(
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    held_out = SyntheticTask(128, seed=_SEED + 7, tasks=FINETUNE_TASKS)
+    held_out = SyntheticTask(128, seed=_SEED + 7, tasks=EVAL_TASKS)
     for step in range(steps):
         batch = _batch(tokenizer, _documents(step, _BATCH, instruction_tasks))
         ids, mask, labels = (t.to(device, non_blocking=True) for t in batch)
@@ -179,7 +180,7 @@ def pretrain(
                 task: _teacher_forced_exact_match(
                     model, tokenizer, [function_text(r) for r in held_out if r["task"] == task], ")="
                 )
-                for task in FINETUNE_TASKS
+                for task in EVAL_TASKS
             }
             model.train()
             scores = ", ".join(f"{task} {value:.2f}" for task, value in em.items())
