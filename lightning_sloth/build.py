@@ -295,16 +295,17 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
 
     from lightning_sloth.offload import OffloadStatsCallback
     from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter, SlothThroughputMonitor
-    from lightning_sloth.plugins.checkpoint import RandomStateCheckpoint
+    from lightning_sloth.plugins.checkpoint import FinalCheckpoint, RandomStateCheckpoint
     from lightning_sloth.plugins.progress import StepProgressBar
     from lightning_sloth.plugins.samples import SampleGenerations
 
     output_dir = Path(output_dir)
+    every_n_steps = trainer.checkpoint_every_n_steps or trainer.val_check_interval
     checkpoint = ModelCheckpoint(
         dirpath=output_dir / CHECKPOINT_DIR,
         save_last=True,
         save_top_k=0,
-        every_n_train_steps=trainer.checkpoint_every_n_steps or trainer.val_check_interval,
+        every_n_train_steps=every_n_steps,
         # Resuming into the same directory overwrites last.ckpt instead of writing last-v1.ckpt.
         enable_version_counter=False,
     )
@@ -315,6 +316,7 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
         GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
         SaveAdapter(output_dir / ADAPTER_DIR),
         RandomStateCheckpoint(),
+        FinalCheckpoint(output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, every_n_steps),
     ]
     if trainer.samples:
         samples = SampleGenerations(trainer.samples, trainer.sample_max_new_tokens, output_dir / SAMPLES_FILE)

@@ -183,9 +183,6 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     if resume:
         log.info("resuming from %s", resume)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
-    if not trainer.interrupted:
-        # The final weights, whatever the checkpoint cadence: lightning-sloth-export reads them.
-        trainer.save_checkpoint(output_dir / build.CHECKPOINT_DIR / build.LAST_CHECKPOINT)
 
     metrics_file = output_dir / METRICS_FILE
     if not trainer.is_global_zero:

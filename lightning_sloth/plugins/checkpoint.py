@@ -96,6 +96,30 @@ def restore_random_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class FinalCheckpoint(Callback):
+    """Saves ``path`` after the last training step when ``max_steps`` is not a multiple of the cadence.
+
+    It saves at the end of the batch like ``ModelCheckpoint``, so resuming from it (with a larger
+    ``max_steps``) continues exactly as from any other step checkpoint, and tools that read the
+    last checkpoint (``lightning-sloth-export``) see the final weights.
+
+    Args:
+        path: the checkpoint file (``ModelCheckpoint``'s ``last.ckpt``).
+        every_n_steps: the ``ModelCheckpoint`` cadence; steps that are multiples are left to it.
+    """
+
+    def __init__(self, path: str | Path, every_n_steps: int) -> None:
+        self.path = Path(path)
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == trainer.max_steps and step % self.every_n_steps:
+            trainer.save_checkpoint(self.path)
+
+
 class RandomStateCheckpoint(Callback):
     """Saves the global random generators in each checkpoint and restores them on resume.
 
