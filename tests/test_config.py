@@ -50,7 +50,7 @@ def test_default_is_the_packaged_tiny_base_on_synthetic_data(hydra_conf):
     assert OmegaConf.get_type(cfg.data) is SyntheticDataConfig
     assert Path(cfg.model.name_or_path) == Path(lightning_sloth.__file__).parent / "assets" / "tiny_base"
     assert cfg.model.tokenizer == cfg.model.name_or_path
-    assert list(cfg.data.tasks) == ["reverse", "upper", "repeat"]
+    assert list(cfg.data.tasks) == ["reverse", "repeat"]
     tiny = make("model=tiny_llama").model
     assert OmegaConf.get_type(tiny) is RandomModelConfig
     assert (tiny.hidden_size, tiny.num_hidden_layers) == (128, 4)

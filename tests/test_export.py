@@ -127,7 +127,9 @@ def test_sixteen_bit_export(run_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(merged)
     assert model.dtype == torch.bfloat16 and model.config.dtype == torch.bfloat16
     trained, _ = export.load_trained(run_dir)
-    torch.testing.assert_close(logits_of(model), logits_of(trained), rtol=0.05, atol=0.1)
+    expected = logits_of(trained)
+    # bfloat16 weights keep 8 bits of mantissa: errors of a few percent of the logits' scale.
+    torch.testing.assert_close(logits_of(model), expected, rtol=0.05, atol=0.03 * float(expected.abs().max()))
 
 
 def test_generate_cli_prints_the_greedy_continuation(run_dir, tmp_path):
