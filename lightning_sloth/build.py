@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 ADAPTER_DIR = "adapter"
+SAMPLES_FILE = "samples.jsonl"
 
 
 def build_tokenizer(model: DictConfig) -> PreTrainedTokenizerBase:
@@ -106,12 +107,14 @@ def build_model(model: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PreTra
         import torch
 
         dtype = model.dtype.value
-        return AutoModelForCausalLM.from_pretrained(
+        loaded = AutoModelForCausalLM.from_pretrained(
             model.name_or_path,
             revision=model.revision,
             dtype=dtype if dtype == "auto" else getattr(torch, dtype),
             trust_remote_code=model.trust_remote_code,
         )
+        # from_pretrained returns eval mode; transformers checkpoints layers only in training mode.
+        return loaded.train()
     raise TypeError(f"model config of type {kind.__name__} has no builder")
 
 
@@ -299,8 +302,10 @@ def offload_enabled(cfg: DictConfig) -> bool:
 
 
 def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool = False) -> list[Callback]:
-    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``), learning-rate and throughput monitors,
-    the gradient-flow guard, the adapter export (``<output_dir>/adapter``) and, with activation
+    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``, with the random generators' state),
+    learning-rate and throughput monitors, the gradient-flow guard, the adapter export
+    (``<output_dir>/adapter``), greedy samples at each validation (``<output_dir>/samples.jsonl``,
+    when ``trainer.samples > 0``), the step progress bar (when enabled) and, with activation
     offload on, its statistics (bytes offloaded, pinned pool size, backward wait)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -311,24 +316,36 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
         SaveAdapter,
         SlothThroughputMonitor,
     )
+    from lightning_sloth.plugins.checkpoint import FinalCheckpoint, RandomStateCheckpoint
+    from lightning_sloth.plugins.progress import StepProgressBar
+    from lightning_sloth.plugins.samples import SampleGenerations
 
     output_dir = Path(output_dir)
+    every_n_steps = trainer.checkpoint_every_n_steps or trainer.val_check_interval
     checkpoint = ModelCheckpoint(
         dirpath=output_dir / CHECKPOINT_DIR,
         save_last=True,
         save_top_k=0,
-        every_n_train_steps=trainer.checkpoint_every_n_steps or trainer.val_check_interval,
+        every_n_train_steps=every_n_steps,
         # Resuming into the same directory overwrites last.ckpt instead of writing last-v1.ckpt.
         enable_version_counter=False,
     )
-    return [
+    callbacks = [
         checkpoint,
         LearningRateMonitor(logging_interval="step"),
         SlothThroughputMonitor(window_size=trainer.throughput_window),
         GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
         SaveAdapter(output_dir / ADAPTER_DIR),
         ExpertLoadMonitor(every_n_steps=trainer.log_every_n_steps),
-    ] + ([OffloadStatsCallback()] if offload else [])
+        RandomStateCheckpoint(),
+        FinalCheckpoint(output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, every_n_steps),
+    ]
+    if trainer.samples:
+        samples = SampleGenerations(trainer.samples, trainer.sample_max_new_tokens, output_dir / SAMPLES_FILE)
+        callbacks.append(samples)
+    if trainer.enable_progress_bar:
+        callbacks.append(StepProgressBar())
+    return callbacks + ([OffloadStatsCallback()] if offload else [])
 
 
 def build_trainer(
@@ -350,13 +367,15 @@ def build_trainer(
     """
     from lightning.pytorch import Trainer
 
+    from lightning_sloth.plugins.checkpoint import AtomicCheckpointIO
+
     t = cfg.trainer
     return Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg.sloth, t, multirun),
-        plugins=[build_precision(cfg.precision)],
+        plugins=[build_precision(cfg.precision), AtomicCheckpointIO()],
         callbacks=build_callbacks(t, output_dir, offload_enabled(cfg)) if callbacks is None else callbacks,
         logger=build_loggers(output_dir) if loggers is None else loggers,
         default_root_dir=output_dir,

@@ -10,7 +10,7 @@ group file with ``- /schema/<group>/<name>@_here_``, which keeps them out of the
 lists of the real groups::
 
     schema/model/random       RandomModelConfig      model/tiny_llama, model/llama_3_2_1b
-    schema/model/pretrained   PretrainedModelConfig  model/hf
+    schema/model/pretrained   PretrainedModelConfig  model/tiny_base (the default), model/hf
     schema/data/synthetic     SyntheticDataConfig    data/synthetic
     schema/data/jsonl         JsonlDataConfig        data/jsonl
     schema/data/hf_dataset    HFDatasetDataConfig    data/hf_dataset
@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -79,6 +80,21 @@ class Sharding(Enum):
 
     ddp = "ddp"
     fsdp = "fsdp"
+
+
+class ExportMode(Enum):
+    """What the app exports at the end of training besides the adapter."""
+
+    none = "none"
+    merged = "merged"
+
+
+class ExportDtype(Enum):
+    """dtype of the merged export."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
 
 
 class LoadDtype(Enum):
@@ -227,7 +243,9 @@ class TrainerConfig:
         val_check_interval: validate every this many training batches (counted across epochs).
         limit_val_batches: validate on at most this many batches (``None``: all).
         checkpoint_every_n_steps: save ``checkpoints/last.ckpt`` every this many optimizer steps
-            (``None``: every ``val_check_interval`` steps).
+            (``None``: every ``val_check_interval`` steps); written atomically.
+        samples: validation prompts greedy-decoded and scored at each validation (0: none).
+        sample_max_new_tokens: most tokens generated per sample.
         grad_guard_every_n_steps: cadence of ``GradientFlowGuard``'s check.
         throughput_window: batches in ``SlothThroughputMonitor``'s rolling average.
     """
@@ -249,6 +267,8 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     deterministic: bool = False
     checkpoint_every_n_steps: int | None = None
+    samples: int = 32
+    sample_max_new_tokens: int = 40
     grad_guard_every_n_steps: int = 50
     throughput_window: int = 20
 
@@ -310,6 +330,8 @@ class TrainConfig:
     Attributes:
         resume: ``"auto"`` resumes from ``<output_dir>/checkpoints/last.ckpt`` when it exists,
             a path resumes from that checkpoint, ``None`` always starts fresh.
+        export: ``merged`` also writes ``<output_dir>/merged`` (adapter merged into the base,
+            ``export_dtype``) when training ends; ``none`` writes only the adapter.
     """
 
     model: ModelConfig = MISSING
@@ -321,6 +343,8 @@ class TrainConfig:
     optimizer: OptimizerConfig = MISSING
     seed: int = 0
     resume: str | None = "auto"
+    export: ExportMode = ExportMode.none
+    export_dtype: ExportDtype = ExportDtype.bfloat16
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {
@@ -334,8 +358,23 @@ _SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
+#: Models shipped inside the package, named in configs as ``${sloth_asset:<name>}``.
+ASSETS_DIR = Path(__file__).parent / "assets"
+
+
+def asset_path(name: str) -> str:
+    """The directory of a model shipped in the package (the ``sloth_asset`` resolver)."""
+    path = ASSETS_DIR / name
+    if not path.is_dir():
+        raise ValueError(f"no packaged asset {name!r} in {ASSETS_DIR}")
+    return str(path)
+
+
 def register_configs() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent; runs when ``lightning_sloth.conf`` loads)."""
+    """Store every schema in Hydra's ConfigStore and register the ``sloth_asset`` resolver
+    (idempotent; runs when ``lightning_sloth.conf`` loads)."""
+    if not OmegaConf.has_resolver("sloth_asset"):
+        OmegaConf.register_new_resolver("sloth_asset", asset_path)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, schemas in _SCHEMAS.items():
@@ -371,6 +410,11 @@ def _check_model(model: DictConfig, errors: list[str]) -> None:
     kind = OmegaConf.get_type(model)
     if kind is PretrainedModelConfig and _missing(model, "name_or_path"):
         errors.append("model.name_or_path: required for a pretrained model (a local path or hub id)")
+    elif kind is PretrainedModelConfig:
+        path = str(model.name_or_path)
+        # A hub id looks like a relative path; only paths that cannot be hub ids are checked here.
+        if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+            errors.append(f"model.name_or_path: no such directory {path!r}")
     if kind is not RandomModelConfig:
         return
     shape = (
@@ -422,8 +466,12 @@ def _check_data(data: DictConfig, errors: list[str]) -> None:
             errors.append(
                 f"data.tasks: must be a non-empty subset of {sorted(SYNTHETIC_TASKS)}, got {list(data.tasks)}"
             )
-    elif kind is JsonlDataConfig and _missing(data, "train_path"):
-        errors.append("data.train_path: required for jsonl data (a .jsonl file)")
+    elif kind is JsonlDataConfig:
+        if _missing(data, "train_path"):
+            errors.append("data.train_path: required for jsonl data (a .jsonl file)")
+        for key in ("train_path", "val_path"):
+            if not _missing(data, key) and data[key] is not None and not Path(data[key]).is_file():
+                errors.append(f"data.{key}: no such file {data[key]!r} (relative to {Path.cwd()})")
     elif kind is HFDatasetDataConfig and _missing(data, "path"):
         errors.append("data.path: required for hf_dataset data (a hub id or local dataset directory)")
 
@@ -453,6 +501,9 @@ def _check_trainer(trainer: DictConfig, errors: list[str]) -> None:
     for key in positive:
         if trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0, got {trainer[key]}")
+    for key in ("samples", "sample_max_new_tokens"):
+        if trainer[key] < 0:
+            errors.append(f"trainer.{key}: must be >= 0, got {trainer[key]}")
     for key in ("limit_val_batches", "checkpoint_every_n_steps"):
         if trainer[key] is not None and trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0 or null, got {trainer[key]}")

@@ -2,7 +2,7 @@
 
 ::
 
-    lightning-sloth                                         # tiny Llama on the synthetic task, no download
+    lightning-sloth                                         # LoRA on the packaged tiny base, no download
     lightning-sloth trainer.max_steps=100 optimizer.lr=3e-3
     lightning-sloth model=hf model.name_or_path=meta-llama/Llama-3.2-1B data=jsonl data.train_path=t.jsonl
     lightning-sloth -m optimizer.lr=1e-3,3e-3               # a sweep, one job dir each
@@ -14,6 +14,9 @@ A run writes to ``HydraConfig.get().runtime.output_dir``::
     checkpoints/last.ckpt       resumable state (``resume=auto`` picks it up when rerun in the same dir)
     csv/version_N/metrics.csv   logged metrics; tensorboard/version_N/ the same for TensorBoard
     adapter/                    the LoRA adapter in PEFT's format (the full model with ``lora=none``)
+    merged/                     with ``export=merged``: the adapter merged into the base, 16-bit,
+                                transformers' layout (also ``lightning-sloth-export RUN_DIR``)
+    samples.jsonl               greedy samples of validation prompts at each validation
     metrics.json                final validation metrics, first/last train loss, packing, steps, time
 """
 
@@ -23,6 +26,7 @@ import json
 import logging
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from lightning_sloth.config import register_configs, validate
+from lightning_sloth.config import ExportMode, register_configs, validate
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +118,20 @@ def _number(value: Any) -> float | str:
 
 
 def format_summary(summary: dict[str, Any], output_dir: str | Path) -> str:
-    """A few lines for the console from a ``metrics.json`` dict."""
+    """A few lines for the console from a ``metrics.json`` dict: metrics, then where the outputs are."""
+    from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT, SAMPLES_FILE
+    from lightning_sloth.export import MERGED_DIR
+
+    output_dir = Path(output_dir)
+    where = [
+        ("adapter", output_dir / ADAPTER_DIR),
+        ("merged model", output_dir / MERGED_DIR),
+        ("samples", output_dir / SAMPLES_FILE),
+        ("checkpoint", output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT),
+    ]
+    outputs = [f"  {name}: {path}" for name, path in where if path.exists()]
+    if not (output_dir / MERGED_DIR).exists():
+        outputs.append(f"  merged model: not written (export=merged, or lightning-sloth-export {output_dir})")
 
     def fmt(value: Any) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)
@@ -129,6 +146,7 @@ def format_summary(summary: dict[str, Any], output_dir: str | Path) -> str:
             f"  validation (step {summary['val_step']}): {val}",
             f"  packing efficiency: {packing}",
             f"  outputs: {output_dir}",
+            *outputs,
         ]
     )
 
@@ -150,6 +168,12 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     # The Trainer (strategy, precision, callbacks) is cheap: its argument errors come before a model load.
     callbacks = build.build_callbacks(cfg.trainer, output_dir, build.offload_enabled(cfg))
     callbacks.append(RunSummary(output_dir / METRICS_FILE, start_time=start, resumed_from=resume))
+    if cfg.export is ExportMode.merged:
+        from lightning_sloth import export
+
+        export.check_exportable(cfg)
+        merged = output_dir / export.MERGED_DIR
+        callbacks.append(export.ExportMerged(partial(export.build_base, cfg), merged, cfg.export_dtype.value))
     trainer = build.build_trainer(cfg, output_dir, multirun=multirun, callbacks=callbacks)
 
     seed_everything(cfg.seed, workers=True, verbose=False)

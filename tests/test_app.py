@@ -77,7 +77,7 @@ def test_ddp_start_method_rule():
 
 
 def test_cli_rejects_a_wrong_key_before_running(tmp_path):
-    result = cli("model.hiden_size=3", f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path)
+    result = cli("model=tiny_llama", "model.hiden_size=3", f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path)
     assert result.returncode != 0, result.log
     assert "Key 'hiden_size' not in 'RandomModelConfig'" in result.stderr, result.log
     assert not (tmp_path / "out").exists()

@@ -1,11 +1,14 @@
 """Hydra config of the app: every group composes, wrong keys/values fail clearly, ranges are validated."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+import lightning_sloth
 from lightning_sloth import build
 from lightning_sloth.config import (
     ConfigError,
@@ -39,15 +42,20 @@ def composition_error(*overrides) -> str:
     return f"{info.value}\n{info.value.__cause__}"
 
 
-def test_default_is_tiny_llama_on_synthetic_data(hydra_conf):
+def test_default_is_the_packaged_tiny_base_on_synthetic_data(hydra_conf):
     cfg = make()
     validate(cfg)
     assert OmegaConf.get_type(cfg) is TrainConfig
-    assert OmegaConf.get_type(cfg.model) is RandomModelConfig
+    assert OmegaConf.get_type(cfg.model) is PretrainedModelConfig
     assert OmegaConf.get_type(cfg.data) is SyntheticDataConfig
-    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers) == (128, 4)
-    assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (4, 2)
-    assert cfg.model.tokenizer == "char" and cfg.model.vocab_size is None
+    assert Path(cfg.model.name_or_path) == Path(lightning_sloth.__file__).parent / "assets" / "tiny_base"
+    assert cfg.model.tokenizer == cfg.model.name_or_path
+    assert list(cfg.data.tasks) == ["reverse", "repeat"]
+    tiny = make("model=tiny_llama").model
+    assert OmegaConf.get_type(tiny) is RandomModelConfig
+    assert (tiny.hidden_size, tiny.num_hidden_layers) == (128, 4)
+    assert (tiny.num_attention_heads, tiny.num_key_value_heads) == (4, 2)
+    assert tiny.tokenizer == "char" and tiny.vocab_size is None
     assert cfg.lora.enabled and cfg.lora.r == 16 and len(cfg.lora.target_modules) == 7
     assert cfg.precision.precision is PrecisionMode.auto
     assert cfg.sloth.packed_attention and cfg.sloth.gradient_checkpointing
@@ -59,8 +67,8 @@ def test_default_is_tiny_llama_on_synthetic_data(hydra_conf):
     ("overrides", "key", "expected"),
     [
         (["model=llama_3_2_1b"], "model.vocab_size", 128256),
-        (["model=hf", "model.name_or_path=/ckpt/llama"], "model.tokenizer", "/ckpt/llama"),
-        (["data=jsonl", "data.train_path=train.jsonl"], "data.val_path", None),
+        (["model=hf", "model.name_or_path=org/llama"], "model.tokenizer", "org/llama"),
+        (["data=jsonl", f"data.train_path={__file__}"], "data.val_path", None),
         (["data=hf_dataset", "data.path=org/set", "data.val_split=test"], "data.train_split", "train"),
         (["lora=none"], "lora.enabled", False),
         (["trainer=cpu_debug"], "trainer.accelerator", "cpu"),
@@ -99,7 +107,7 @@ def test_group_options_extend_their_schema(hydra_conf):
 
 
 def test_wrong_key_fails_while_composing(hydra_conf):
-    message = composition_error("model.hiden_size=3")
+    message = composition_error("model=tiny_llama", "model.hiden_size=3")
     assert "Key 'hiden_size' not in 'RandomModelConfig'" in message
     assert "full_key: model.hiden_size" in message
 
@@ -111,7 +119,7 @@ def test_key_of_another_source_is_rejected(hydra_conf):
 
 def test_appended_key_is_caught_by_validate(hydra_conf):
     # `+key=value` slips past the schema while composing; validate() names it.
-    cfg = make("+model.hiden_size=3")
+    cfg = make("model=tiny_llama", "+model.hiden_size=3")
     with pytest.raises(
         ConfigError, match=r"model\.hiden_size: not a key of RandomModelConfig; did you mean 'hidden_size'"
     ):
@@ -153,10 +161,10 @@ def test_unknown_group_option_lists_the_options(hydra_conf):
         (["trainer.devices=0"], "trainer.devices: must be >= 1 or -1"),
         (["trainer.val_check_interval=0"], "trainer.val_check_interval: must be > 0, got 0"),
         (
-            ["model.num_key_value_heads=3"],
+            ["model=tiny_llama", "model.num_key_value_heads=3"],
             r"model.num_key_value_heads: must divide num_attention_heads \(4\), got 3",
         ),
-        (["model.hidden_size=130"], "model.hidden_size: must be a multiple of num_attention_heads"),
+        (["model=tiny_llama", "model.hidden_size=130"], "model.hidden_size: must be a multiple of num_attention_heads"),
         (["data=jsonl"], "data.train_path: required for jsonl data"),
         (["data=hf_dataset"], "data.path: required for hf_dataset data"),
         (["model=hf"], "model.name_or_path: required for a pretrained model"),
@@ -199,7 +207,7 @@ def test_user_config_dir_adds_a_model(hydra_conf, tmp_path):
     assert OmegaConf.get_type(cfg.model) is RandomModelConfig
     assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.num_attention_heads) == (64, 2, 4)
     # The built-in options stay available next to the user's.
-    assert make(f"hydra.searchpath=[file://{tmp_path}]").model.hidden_size == 128
+    assert make(f"hydra.searchpath=[file://{tmp_path}]", "model=tiny_llama").model.hidden_size == 128
 
 
 def test_user_config_is_checked_against_the_schema(hydra_conf, tmp_path):
@@ -210,7 +218,7 @@ def test_user_config_is_checked_against_the_schema(hydra_conf, tmp_path):
 
 
 def test_model_config_is_sized_to_the_tokenizer(hydra_conf):
-    cfg = make()
+    cfg = make("model=tiny_llama")
     config = build.build_model_config(cfg.model, vocab_size=100)
     assert config.model_type == "llama"
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (128, 256, 4)
@@ -218,11 +226,11 @@ def test_model_config_is_sized_to_the_tokenizer(hydra_conf):
     big = build.build_model_config(make("model=llama_3_2_1b").model, vocab_size=100)
     assert (big.vocab_size, big.head_dim, big.tie_word_embeddings) == (128256, 64, True)
     with pytest.raises(ConfigError, match="model.vocab_size: 50 is smaller than the tokenizer's 100 ids"):
-        build.build_model_config(make("model.vocab_size=50").model, vocab_size=100)
+        build.build_model_config(make("model=tiny_llama", "model.vocab_size=50").model, vocab_size=100)
 
 
 def test_model_extra_reaches_the_transformers_config(hydra_conf):
-    config = build.build_model_config(make("+model.extra.rms_norm_eps=1e-3").model, vocab_size=100)
+    config = build.build_model_config(make("model=tiny_llama", "+model.extra.rms_norm_eps=1e-3").model, vocab_size=100)
     assert config.rms_norm_eps == pytest.approx(1e-3)
 
 
@@ -312,3 +320,12 @@ def test_offload_adds_its_statistics_callback(hydra_conf, tmp_path, offload, exp
     cfg = make(f"sloth.offload={offload}")
     callbacks = build_callbacks(cfg.trainer, tmp_path, offload_enabled(cfg))
     assert any(isinstance(c, OffloadStatsCallback) for c in callbacks) is expected
+
+
+def test_missing_files_are_named_while_validating(hydra_conf, tmp_path):
+    cfg = make("data=jsonl", f"data.train_path={tmp_path / 'nope.jsonl'}", "model=hf", "model.name_or_path=/no/such/model")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    message = str(info.value)
+    assert f"data.train_path: no such file '{tmp_path / 'nope.jsonl'}'" in message
+    assert "model.name_or_path: no such directory '/no/such/model'" in message

@@ -1,7 +1,12 @@
 """Data room: sources, tokenization, packing and the ``PackedDataModule``. Nothing here touches the GPU."""
 
 from lightning_sloth.data.batch import IGNORE_INDEX, PackedBatch
-from lightning_sloth.data.datamodule import PackedBatchSampler, PackedDataModule, PackingStats
+from lightning_sloth.data.datamodule import (
+    PackedBatchSampler,
+    PackedDataModule,
+    PackingStats,
+    ResumableDataLoader,
+)
 from lightning_sloth.data.packing import (
     OverlongReport,
     PackedCollator,
@@ -29,6 +34,7 @@ __all__ = [
     "PackedCollator",
     "PackedDataModule",
     "PackingStats",
+    "ResumableDataLoader",
     "SyntheticTask",
     "apply_overlong_policy",
     "build_char_tokenizer",

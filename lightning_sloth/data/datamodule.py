@@ -4,6 +4,11 @@
 nothing else is materialized. Each epoch the :class:`PackedBatchSampler` shuffles the sample
 order, packs the lengths with best-fit decreasing, and yields one bin of indices per step; the
 DataLoader's :class:`PackedCollator` then builds the batch tensors for that bin only.
+
+Resuming mid-epoch: the training loader is a :class:`ResumableDataLoader`. Lightning saves its
+``state_dict`` (epoch and batches consumed by training steps) in every checkpoint and loads it
+before creating the resumed epoch's iterator, which then skips the consumed bins of the same
+packing: the resumed run sees exactly the batches the uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ class PackedBatchSampler(BatchSampler):
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
+        #: bins of the current epoch skipped by the next iteration (set when resuming mid-epoch).
+        self.skip = 0
         self._cached: tuple[tuple[int, int, int], list[list[int]]] | None = None
 
     @property
@@ -125,10 +132,43 @@ class PackedBatchSampler(BatchSampler):
         return bins
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._bins())
+        skip, self.skip = self.skip, 0
+        return iter(self._bins()[skip:])
 
     def __len__(self) -> int:
         return len(self._bins())
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`PackedBatchSampler` that can resume mid-epoch.
+
+    Lightning treats a loader with ``state_dict``/``load_state_dict`` as stateful: it stores the
+    state in every checkpoint and loads it before creating the resumed epoch's iterator. The
+    state is ``{"epoch", "consumed"}``: ``consumed`` counts the batches training steps took this
+    epoch (:class:`PackedDataModule` counts them as they reach the device, so batches Lightning
+    prefetched but did not train on are not counted). After ``load_state_dict`` the next
+    iteration packs the saved epoch and skips its first ``consumed`` bins (their samples are
+    never collated). ``len()`` stays the whole epoch, as Lightning's progress counters expect.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed = 0
+        self._resume_at = 0
+
+    def __iter__(self):
+        self.consumed, self._resume_at = self._resume_at, 0
+        self.batch_sampler.skip = self.consumed
+        return super().__iter__()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch": packing epoch, "consumed": batches trained on in it}``."""
+        return {"epoch": self.batch_sampler.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Make the next iteration continue the saved epoch after its consumed batches."""
+        self.batch_sampler.set_epoch(state_dict["epoch"])
+        self._resume_at = state_dict["consumed"]
 
 
 class _TokenizedSamples(Dataset):
@@ -308,7 +348,8 @@ class PackedDataModule(L.LightningDataModule):
         )
         if self.trainer is not None:
             batch_sampler.set_epoch(self.trainer.current_epoch)
-        return DataLoader(
+        loader_class = ResumableDataLoader if split == "train" else DataLoader
+        return loader_class(
             _TokenizedSamples(self._samples[split]),
             batch_sampler=batch_sampler,
             collate_fn=self.collator,
@@ -326,6 +367,43 @@ class PackedDataModule(L.LightningDataModule):
         if self._sources["val"] is None:
             return []
         return self._dataloader("val", shuffle=False)
+
+    def validation_examples(self, count: int) -> list[tuple[list[int], list[int]]]:
+        """``(prompt_ids, response_ids)`` of ``count`` validation samples spread evenly over the split.
+
+        The prompt is every token before the sample's first target (``bos`` included), the response
+        the first run of target tokens without its closing ``eos``: what a greedy decode of the
+        prompt should produce. Empty without a validation source.
+        """
+        if self._sources["val"] is None:
+            return []
+        if "val" not in self._samples:
+            self.setup()
+        samples = self._samples["val"]
+        count = min(count, len(samples))
+        examples = []
+        for index in (i * len(samples) // count for i in range(count)):
+            ids, labels = samples[index]
+            start = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+            if start is None or start == 0:
+                continue
+            end = start
+            while end < len(labels) and labels[end] != IGNORE_INDEX:
+                end += 1
+            response = list(ids[start:end])
+            if response and response[-1] == self._tokenizer.eos_token_id:
+                response.pop()
+            examples.append((list(ids[:start]), response))
+        return examples
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count a training batch as consumed once it reaches the device (see :class:`ResumableDataLoader`)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            loader = trainer.train_dataloader
+            if isinstance(loader, ResumableDataLoader):
+                loader.consumed += 1
+        return batch
 
     def _fingerprint(self) -> str | None:
         lengths = self._lengths.get("train")

@@ -1,0 +1,234 @@
+"""From a run of the app to checkpoints that load anywhere: ``lightning-sloth-export``.
+
+::
+
+    lightning-sloth-export RUN_DIR                   # RUN_DIR/adapter/ and RUN_DIR/merged/
+    lightning-sloth-export RUN_DIR --dtype float32 --out exported/
+
+writes, from the run's last checkpoint (``checkpoints/last.ckpt``):
+
+- ``adapter/``: the LoRA adapter in PEFT's format (``PeftModel.from_pretrained(base, dir)``);
+- ``merged/``: the adapter merged into the base weights, cast to 16 bits (``--dtype``), in
+  transformers' ``save_pretrained`` layout with the tokenizer and a generation config. It loads
+  with ``AutoModelForCausalLM.from_pretrained`` alone: nothing of lightning_sloth is in it.
+
+The model is rebuilt *unpatched* from the run's saved config (``.hydra/config.yaml``) and the
+checkpoint's weights are loaded into it, so none of the training-time changes (packed attention,
+kernels, checkpointing) reach the export. ``export=merged`` in the app does the same at the end
+of training through :class:`ExportMerged`, from the live weights.
+
+Quantized (NF4) bases are not exported yet: :func:`check_exportable` raises
+``NotImplementedError`` for them (the path will be dequantize, merge, save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MERGED_DIR = "merged"
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def load_run_config(run_dir: str | Path) -> DictConfig:
+    """The typed :class:`~lightning_sloth.config.TrainConfig` a run was composed with.
+
+    Hydra saves the composed config as plain YAML (``.hydra/config.yaml``); each group is merged
+    back into the first schema of that group whose fields hold all its keys, so the builders
+    (which dispatch on the schema type) work on it.
+    """
+    from lightning_sloth.config import _SCHEMAS, TrainConfig, register_configs
+
+    register_configs()  # the sloth_asset resolver
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: not a lightning-sloth run directory (no .hydra/config.yaml)")
+    raw = OmegaConf.load(path)
+    cfg = OmegaConf.structured(TrainConfig)
+    for group, schemas in _SCHEMAS.items():
+        keys = set(raw[group].keys())
+        for schema in schemas.values():
+            if keys <= set(OmegaConf.structured(schema).keys()):
+                cfg[group] = OmegaConf.merge(OmegaConf.structured(schema), raw[group])
+                break
+        else:
+            raise ValueError(f"{path}: the {group!r} group matches no schema (keys {sorted(keys)})")
+    for key in ("seed", "resume"):
+        cfg[key] = raw[key]
+    for key, value in raw.items():
+        if key not in cfg:
+            OmegaConf.set_struct(cfg, False)
+            cfg[key] = value
+    return cfg
+
+
+def check_exportable(cfg: DictConfig) -> None:
+    """Raise ``NotImplementedError`` for a quantized (NF4) base: it must be dequantized before merging."""
+    quantize = OmegaConf.select(cfg, "precision.quantize", default=None)
+    value = getattr(quantize, "value", quantize)
+    if value not in (None, False, "none", "off"):
+        raise NotImplementedError(
+            f"exporting a run with precision.quantize={value!r} (a quantized base) is not supported yet: "
+            "the base must be dequantized, merged with the adapter, then saved"
+        )
+
+
+def build_base(cfg: DictConfig):
+    """``(model, tokenizer)``: the run's unpatched base model, wrapped by PEFT when it trained LoRA."""
+    from lightning_sloth import build
+
+    tokenizer = build.build_tokenizer(cfg.model)
+    model = build.build_model(cfg.model, tokenizer)
+    lora = build.build_lora_settings(cfg.lora)
+    if lora is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora.to_peft())
+    return model, tokenizer
+
+
+def load_checkpoint_weights(model: nn.Module, checkpoint: str | Path) -> None:
+    """Load the ``model.*`` weights of a ``CausalLMModule`` checkpoint into ``model`` (strict)."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    model.load_state_dict(weights, strict=True)
+
+
+def last_checkpoint(run_dir: str | Path) -> Path:
+    """``RUN_DIR/checkpoints/last.ckpt``, or a clear error when the run saved none."""
+    from lightning_sloth.build import CHECKPOINT_DIR, LAST_CHECKPOINT
+
+    path = Path(run_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no checkpoint at {path} (did the run train a step?)")
+    return path
+
+
+def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None):
+    """``(model, tokenizer)``: the trained model of a run (PEFT-wrapped for LoRA), float32, eval mode."""
+    cfg = load_run_config(run_dir)
+    check_exportable(cfg)
+    model, tokenizer = build_base(cfg)
+    load_checkpoint_weights(model, checkpoint or last_checkpoint(run_dir))
+    return model.float().eval(), tokenizer
+
+
+def load_run_model(run_dir: str | Path):
+    """The model to generate with: the run's merged export if present, else :func:`load_trained`."""
+    merged = Path(run_dir) / MERGED_DIR
+    if (merged / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        return AutoModelForCausalLM.from_pretrained(merged).eval(), AutoTokenizer.from_pretrained(merged)
+    return load_trained(run_dir)
+
+
+def save_merged(model: nn.Module, tokenizer, out: str | Path, dtype: str = "bfloat16") -> Path:
+    """Merge a PEFT model's adapter (a plain model is saved as is), cast and ``save_pretrained``.
+
+    Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer.
+    ``model`` must be unpatched (see :func:`build_base`); it is merged in place.
+    """
+    from transformers import GenerationConfig
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+    merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    merged = merged.to(getattr(torch, dtype))
+    merged.config.use_cache = True
+    merged.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        do_sample=False,
+        max_new_tokens=256,
+    )
+    out = Path(out)
+    merged.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    dtype: str = "bfloat16",
+    checkpoint: str | Path | None = None,
+) -> dict[str, Path]:
+    """Write ``adapter/`` (LoRA runs) and ``merged/`` under ``out`` (default: the run directory).
+
+    Returns:
+        ``{"adapter": path, "merged": path}`` (no ``adapter`` for a full fine-tune).
+    """
+    from lightning_sloth.build import ADAPTER_DIR
+
+    out = Path(out or run_dir)
+    model, tokenizer = load_trained(run_dir, checkpoint)
+    written = {}
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(out / ADAPTER_DIR)
+        written["adapter"] = out / ADAPTER_DIR
+    written["merged"] = save_merged(model, tokenizer, out / MERGED_DIR, dtype)
+    return written
+
+
+class ExportMerged(Callback):
+    """At the end of training, write the merged 16-bit model (as ``lightning-sloth-export`` does).
+
+    The live model carries the training-time patches, so its weights are copied into a freshly
+    built unpatched model first.
+
+    Args:
+        build_base: zero-argument callable returning the unpatched model, PEFT-wrapped like the
+            trained one, and its tokenizer (the app passes :func:`build_base` of the run config).
+        out: the directory to write.
+        dtype: ``bfloat16``, ``float16`` or ``float32``.
+    """
+
+    def __init__(self, build_base: Any, out: str | Path, dtype: str = "bfloat16") -> None:
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+        self.build_base = build_base
+        self.out = Path(out)
+        self.dtype = dtype
+
+    @rank_zero_only
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        live = pl_module.model
+        weights = {k: v.detach().to("cpu", torch.float32) for k, v in live.state_dict().items()}
+        model, tokenizer = self.build_base()
+        model.load_state_dict(weights, strict=True)
+        save_merged(model, tokenizer, self.out, self.dtype)
+        log.info("saved the merged model to %s", self.out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``lightning-sloth-export RUN_DIR [--out DIR] [--dtype bfloat16|float16|float32]``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-sloth-export",
+        description="Export a lightning-sloth run: the PEFT adapter and a merged transformers checkpoint.",
+    )
+    parser.add_argument("run_dir", help="the run's output directory (holds .hydra/ and checkpoints/)")
+    parser.add_argument("--out", default=None, help="where adapter/ and merged/ go (default: RUN_DIR)")
+    parser.add_argument("--dtype", default="bfloat16", choices=EXPORT_DTYPES)
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint other than checkpoints/last.ckpt")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    written = export_run(args.run_dir, args.out, dtype=args.dtype, checkpoint=args.checkpoint)
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()
