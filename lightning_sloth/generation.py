@@ -22,8 +22,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-#: Attention used while generating when the model trains with the packed "sloth" attention.
+#: Attention used while generating when the model trains with the packed "sloth" attention; models
+#: without an SDPA path (GPT-OSS: attention sinks) generate with their eager attention.
 GENERATION_ATTENTION = "sdpa"
+
+
+def _generation_attention(hf: nn.Module) -> str:
+    return GENERATION_ATTENTION if getattr(hf, "_supports_sdpa", False) else "eager"
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
@@ -40,7 +45,8 @@ def generation_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Ready ``model`` (plain, PEFT-wrapped or inside a LightningModule) for cached generation.
 
     Inside the block: eval mode, ``torch.no_grad``, ``config.use_cache = True`` and, if the model
-    uses the packed "sloth" attention, :data:`GENERATION_ATTENTION` instead. On exit every one of
+    uses the packed "sloth" attention, :data:`GENERATION_ATTENTION` instead (eager for a model
+    without SDPA). On exit every one of
     them is put back as it was, also when generation raises.
     """
     from lightning_sloth.attention import ATTENTION_NAME
@@ -52,7 +58,7 @@ def generation_mode(model: nn.Module) -> Iterator[nn.Module]:
     model.eval()
     try:
         if attention == ATTENTION_NAME:
-            hf.set_attn_implementation(GENERATION_ATTENTION)
+            hf.set_attn_implementation(_generation_attention(hf))
         hf.config.use_cache = True
         with torch.no_grad():
             yield model

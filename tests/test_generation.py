@@ -76,3 +76,36 @@ def test_validation_examples_are_prompt_and_response_of_the_records():
         assert prompt == encode_prompt(tokenizer, record["prompt"])
         assert tokenizer.decode(response) == record["response"]
     assert PackedDataModule(tokenizer, train, None).validation_examples(4) == []
+
+
+def test_a_model_without_sdpa_generates_with_its_eager_attention():
+    # GPT-OSS (attention sinks) has no SDPA path: generation falls back to eager, cache or not.
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(5)
+    config = GptOssConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        attn_implementation="eager",
+    )
+    plain = GptOssForCausalLM(config).train()
+    model = copy.deepcopy(plain)
+    transform_model(model, packed_attention=True, gradient_checkpointing=True, kernels=True)
+    hf_config = model.config
+    assert hf_config._attn_implementation == "sloth"
+    with generation_mode(model):
+        assert hf_config._attn_implementation == "eager"
+        cached = greedy_generate(model, PROMPTS, eos_token_id=None, max_new_tokens=6, use_cache=True)
+        uncached = greedy_generate(model, PROMPTS, eos_token_id=None, max_new_tokens=6, use_cache=False)
+    with generation_mode(plain):
+        reference = greedy_generate(plain, PROMPTS, eos_token_id=None, max_new_tokens=6, use_cache=True)
+    assert hf_config._attn_implementation == "sloth"
+    assert cached == uncached == reference
