@@ -4,7 +4,8 @@ Commands run one after another in one fresh directory holding the files they nam
 that train get overrides appended that shorten them to 2 CPU steps (a key the command sets
 itself takes the short value). ``pip install`` lines are checked, not run: each requirement
 parses and every extra exists in ``pyproject.toml``. ``python -m pytest`` runs with
-``--collect-only``. A command that needs a GPU ends with ``# gpu``; those are the only ones
+``--collect-only``, ``python -m lightning_sloth.bench report`` with ``--check`` (the README is not
+rewritten). A command that needs a GPU ends with ``# gpu``; those are the only ones
 skipped, and the test reports how many it ran and which it skipped.
 """
 
@@ -134,6 +135,12 @@ def test_every_readme_command_runs(tmp_path):
             if args[1:3] == ["-m", "pytest"]:
                 result = run([*args, "--collect-only", "-q"], ROOT)
                 assert result.returncode == 0 and " collected" in result.stdout, result.stdout[-2000:]
+            elif args[1:3] == ["-m", "lightning_sloth.bench"]:
+                if "report" in args:  # read-only here: compare the README with the committed JSON
+                    result = run([*args, "--check"], ROOT)
+                else:  # the CPU-sized suite, writing under this directory
+                    result = run(args, tmp_path)
+                assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
             elif program.startswith("lightning-sloth") or args[1:3] == ["-m", "lightning_sloth.train"]:
                 if program == "lightning-sloth" or program.startswith("lightning-sloth-"):
                     args = [str(BIN / program), *args[1:]]
