@@ -218,3 +218,12 @@ def test_memory_plan_counts_4bit_experts_like_dense_ones():
         model(input_ids=ids, labels=ids).loss.backward()
         measured.append((ckpt.activation_bytes, ckpt.input_bytes))
     assert measured[0] == measured[1]
+
+
+def test_lora_made_on_4bit_experts_is_a_clear_error():
+    model = tiny_moe("mixtral", experts=4)
+    quantize_model(model, "nf4", skip=("lm_head", "self_attn"))
+    model = get_peft_model(model, LoraConfig(r=4, target_parameters=EXPERT_LORA))
+    apply_experts(model)
+    with pytest.raises(ValueError, match="apply the adapters before quantising"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 5)))
