@@ -7,7 +7,9 @@ Rooms:
 - :mod:`.ops`: the other ``sloth::moe_*`` ops (gather, activations, combine);
 - :mod:`.experts`: family layouts and the "sloth" experts forward for transformers'
   ``ExpertsInterface``;
-- :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights.
+- :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights;
+- :mod:`.quant`: 4-bit expert weights (``SlothPrecision(quantize=...)``) and the grouped GEMM
+  that dequantises them into a reusable buffer, forward and backward.
 
 ``SlothStrategy`` selects all of it for qwen3_moe, mixtral and gpt_oss (``moe=False`` keeps
 transformers' experts); by hand::

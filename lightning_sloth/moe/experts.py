@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
+from lightning_sloth.moe.quant import expert_storage, lora_grouped_mm_4bit
 from lightning_sloth.moe.routing import group_by_expert
 
 __all__ = [
@@ -110,14 +111,29 @@ def _compute_dtype(hidden_states: Tensor, weight: Tensor) -> torch.dtype:
     device_type = hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return weight.dtype
+    # 4-bit storage (uint8 codes) computes in the activations' dtype
+    return weight.dtype if weight.is_floating_point() else hidden_states.dtype
 
 
 def _project(
-    x: Tensor, weight: Tensor, bias: Tensor | None, grouping, transposed: bool, lora: LoraFactors | None
+    x: Tensor, experts: nn.Module, name: str, bias: Tensor | None, grouping, transposed: bool, lora: LoraFactors | None
 ) -> Tensor:
     dtype = x.dtype
     bias = None if bias is None else bias.to(dtype)
+    weight = getattr(experts, name)
+    storage = expert_storage(experts, name)
+    if storage is not None:  # 4-bit: dequantised into a reusable buffer inside the op
+        return lora_grouped_mm_4bit(
+            x,
+            storage,
+            None if lora is None else lora.a.to(dtype),
+            None if lora is None else lora.b.to(dtype),
+            0.0 if lora is None else lora.scale,
+            grouping.ends,
+            transposed=transposed,
+            bias=bias,
+            expert_ids=grouping.expert_ids,
+        )
     if lora is None:
         return grouped_mm(
             x,
@@ -197,7 +213,8 @@ def experts_forward(
     weight_first = not layout.bias and not layout.clamped and experts.config.hidden_act in _SILU
     h = _project(
         moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k),
-        experts.gate_up_proj,
+        experts,
+        "gate_up_proj",
         experts.gate_up_proj_bias if layout.bias else None,
         grouping,
         layout.transposed,
@@ -210,7 +227,8 @@ def experts_forward(
     del h
     y = _project(
         a,
-        experts.down_proj,
+        experts,
+        "down_proj",
         experts.down_proj_bias if layout.bias else None,
         grouping,
         layout.transposed,

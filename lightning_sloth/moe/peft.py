@@ -30,6 +30,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_sloth.moe.experts import LAYOUTS, LoraFactors, experts_forward
+from lightning_sloth.moe.quant import expert_storage
 
 __all__ = ["expert_lora_factors", "install_lora_experts", "lora_experts_forward", "uninstall_lora_experts"]
 
@@ -84,6 +85,12 @@ def lora_experts_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **k
     for wrapper in chain:
         factors = expert_lora_factors(wrapper)
         if factors is None or wrapper.parameter_name in lora:
+            if expert_storage(experts, wrapper.parameter_name) is not None:
+                raise ValueError(
+                    f"PEFT LoRA on {wrapper.parameter_name} of {type(experts).__name__}, whose expert weight is "
+                    "stored in 4 bits, is not in the plain case (one active, unmerged adapter made on the dense "
+                    "3-D weight): apply the adapters before quantising and keep one active adapter"
+                )
             return type(self).forward(self, hidden_states, *args, **kwargs)
         lora[wrapper.parameter_name] = factors
     if len(args) + len(kwargs) != 2:

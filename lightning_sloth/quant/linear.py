@@ -226,7 +226,8 @@ def quantize_model(
         The qualified names of the layers converted.
 
     Raises:
-        NotImplementedError: for 3-D expert weights of MoE models (not quantised yet).
+        NotImplementedError: for 3-D expert weights of a MoE family or layout the "sloth" experts
+            do not handle (qwen3_moe, mixtral and gpt_oss are stored in 4 bits).
         ValueError: if nothing could be quantised (and nothing was in 4 bits already).
     """
     check_quant_type(quant_type)
@@ -241,10 +242,7 @@ def quantize_model(
             already += name not in converted
             continue
         if _is_expert_container(module) and not _skipped(name, skip):
-            raise NotImplementedError(
-                f"{name} holds 3-D expert weights ({type(module).__name__}); 4-bit quantisation of MoE experts "
-                "is not implemented yet: add the experts module to quantize_skip to keep them in the compute dtype"
-            )
+            converted += [f"{name}.{p}" for p in _quantize_experts(name, module, quant_type, device)]
         for child_name in [child_name for child_name, _ in module.named_children()]:
             child = module.get_submodule(child_name)
             full = f"{name}.{child_name}" if name else child_name
@@ -258,6 +256,22 @@ def quantize_model(
             "4-bit storage is for the frozen linear layers of a transformer"
         )
     return converted
+
+
+def _quantize_experts(name: str, module: nn.Module, quant_type: str, device) -> list[str]:
+    """4-bit storage for a MoE layer's 3-D expert weights (the families of ``moe.LAYOUTS``)."""
+    from lightning_sloth.moe.experts import LAYOUTS
+    from lightning_sloth.moe.quant import EXPERT_WEIGHTS, quantize_experts
+
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    dense = {p for p, v in module.named_parameters(recurse=False) if v.dim() == 3}
+    if model_type not in LAYOUTS or not dense <= set(EXPERT_WEIGHTS):
+        raise NotImplementedError(
+            f"{name} holds 3-D expert weights {sorted(dense)} ({type(module).__name__}, family {model_type!r}); "
+            f"4-bit experts are supported for {sorted(LAYOUTS)} (gate_up_proj, down_proj): add the experts "
+            "module to quantize_skip to keep them in the compute dtype"
+        )
+    return quantize_experts(module, quant_type, device)
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:

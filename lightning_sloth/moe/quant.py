@@ -1,0 +1,347 @@
+"""4-bit expert weights: storage on the experts module and the grouped GEMM over it.
+
+:func:`quantize_experts` stores a MoE layer's frozen 3-D ``gate_up_proj`` / ``down_proj`` in the
+bitsandbytes layout of :mod:`lightning_sloth.quant.formats` (NF4 / NF4-DQ / FP4, blocks of 64 over
+the flattened ``[E, ., .]`` tensor). The parameter keeps its name and holds the packed ``uint8``
+codes; the block scales and code books sit beside it as ``int32`` buffers holding float32 bits
+(``<name>_absmax``, ``<name>_code``, ...), so a dtype cast of the model never rounds them.
+GPT-OSS biases stay in the compute dtype.
+
+``sloth::moe_lora_grouped_mm_4bit`` runs the grouped GEMM (with per-expert LoRA, rank 0 for none)
+on such a weight::
+
+    forward   W = dequant(storage)  [E, ., .]  into a reusable per-shape buffer; the grouped GEMM(s)
+    backward  W = dequant(storage)  again, into the same buffer; dx (and dA, dB) from it
+
+Saved for the backward: the input, ``x A^T`` and the 4-bit storage, never a dequantised weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sloth.moe.gemm import (
+    _grouped_mm_backward_op,
+    _grouped_mm_op,
+    _lora_flops,
+    _lora_grouped_mm_backward_op,
+    _lora_grouped_mm_op,
+)
+from lightning_sloth.ops._registry import call, register_autograd, register_flops, sloth_op
+from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
+from lightning_sloth.quant.formats import Packed4bit, check_quant_type, quantize_4bit
+
+__all__ = ["EXPERT_WEIGHTS", "expert_storage", "lora_grouped_mm_4bit", "quantize_experts"]
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The 3-D expert parameters stored in 4 bits."""
+
+_RECORD = "_sloth_4bit_experts"
+_PARTS = ("absmax", "code", "nested_absmax", "nested_code", "offset")
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.int32) if t.dtype == torch.float32 else t.reshape(-1)
+
+
+def quantize_experts(
+    experts: nn.Module, quant_type: str = "nf4", device: torch.device | str | None = None
+) -> list[str]:
+    """Store ``experts``' 3-D ``gate_up_proj`` and ``down_proj`` in 4 bits, in place (frozen).
+
+    Args:
+        experts: a transformers experts module of a family in ``moe.LAYOUTS``.
+        quant_type: ``"nf4"``, ``"nf4-dq"`` or ``"fp4"``.
+        device: where to quantise (default: where each weight is).
+
+    Returns:
+        The parameter names converted (already converted ones are skipped).
+    """
+    check_quant_type(quant_type)
+    record = experts.__dict__.setdefault(_RECORD, {})
+    done = []
+    for name in EXPERT_WEIGHTS:
+        param = getattr(experts, name, None)
+        if name in record or param is None:
+            continue
+        if param.dim() != 3:
+            raise ValueError(
+                f"{type(experts).__name__}.{name} is {tuple(param.shape)}, not a 3-D expert weight"
+            )
+        weight = param.detach() if device is None else param.detach().to(device)
+        storage = quantize_4bit(weight, quant_type)
+        delattr(experts, name)
+        experts.register_parameter(name, nn.Parameter(storage.packed, requires_grad=False))
+        for part in _PARTS:
+            value = getattr(storage, part)
+            if value is not None:
+                experts.register_buffer(f"{name}_{part}", _bits(value))
+        record[name] = storage
+        del weight, param
+        done.append(name)
+    if done and not experts.__dict__.get("_sloth_4bit_hook"):
+        experts.register_forward_pre_hook(_require_sloth_experts)
+        experts._sloth_4bit_hook = True
+    return done
+
+
+def _require_sloth_experts(experts: nn.Module, args) -> None:
+    """Only the "sloth" experts read 4-bit storage: any other implementation would see uint8 codes."""
+    from lightning_sloth.moe.experts import EXPERTS_NAME
+
+    selected = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if selected != EXPERTS_NAME:
+        raise RuntimeError(
+            f"{type(experts).__name__} stores its expert weights in 4 bits, which only the {EXPERTS_NAME!r} "
+            f"experts implementation reads, but {selected!r} is selected: train with SlothStrategy(moe=True) "
+            "(the default) or call lightning_sloth.patching.apply_experts(model)"
+        )
+
+
+def expert_storage(experts: nn.Module, name: str) -> Packed4bit | None:
+    """The :class:`Packed4bit` of ``experts.<name>`` (sharing the module's tensors), or None if dense."""
+    record = experts.__dict__.get(_RECORD, {}).get(name)
+    if record is None:
+        return None
+
+    def part(key: str) -> Tensor | None:
+        if getattr(record, key) is None:
+            return None
+        value = getattr(experts, f"{name}_{key}")
+        return value.view(torch.float32) if value.dtype == torch.int32 else value
+
+    offset = part("offset")
+    return Packed4bit(
+        packed=getattr(experts, name),
+        absmax=part("absmax"),
+        code=part("code"),
+        shape=record.shape,
+        dtype=record.dtype,
+        quant_type=record.quant_type,
+        blocksize=record.blocksize,
+        nested_absmax=part("nested_absmax"),
+        nested_code=part("nested_code"),
+        offset=offset.reshape(()) if offset is not None else None,
+    )
+
+
+def _weight(packed, absmax, code, blocksize, shape, dtype) -> Tensor:
+    experts, rows, cols = shape
+    buffer = _scratch(experts * rows, cols, dtype, packed.device).view(experts, rows, cols)
+    return dequantize_4bit_into(packed, absmax, code, blocksize, buffer)
+
+
+@sloth_op("moe_lora_grouped_mm_4bit")
+def _op(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    shape: list[int],
+    bias: Tensor | None,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    ends: Tensor,
+    expert_ids: Tensor,
+    transposed: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(out [S, N], xa [S, r])`` of ``sloth::moe_lora_grouped_mm`` on the dequantised weight."""
+    weight = _weight(packed, absmax, code, blocksize, shape, x.dtype)
+    if not lora_a.shape[1]:  # no adapter: the plain grouped GEMM
+        return _grouped_mm_op(x, weight, bias, ends, expert_ids, transposed), x.new_empty((x.shape[0], 0))
+    return _lora_grouped_mm_op(x, weight, bias, lora_a, lora_b, scale, ends, expert_ids, transposed)
+
+
+@_op.register_fake
+def _fake(
+    x, packed, absmax, code, blocksize, shape, bias, lora_a, lora_b, scale, ends, expert_ids, transposed
+):
+    n = shape[2] if transposed else shape[1]
+    return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], lora_a.shape[1]))
+
+
+@sloth_op("moe_lora_grouped_mm_4bit_backward")
+def _backward_op(
+    grad: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    shape: list[int],
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    ends: Tensor,
+    transposed: bool,
+    need_x: bool,
+    need_a: bool,
+    need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dA, dB)``; the weight is dequantised again (only when dx is asked for)."""
+    if need_x:
+        weight = _weight(packed, absmax, code, blocksize, shape, grad.dtype)
+    else:  # dA and dB do not read the base weight
+        weight = grad.new_empty((1, 1, 1)).expand(shape)
+    if not lora_a.shape[1]:
+        empty = grad.new_empty(0)
+        dx = (
+            _grouped_mm_backward_op(grad, empty, weight, ends, transposed, True, False)[0]
+            if need_x
+            else empty
+        )
+        return (
+            dx,
+            torch.empty_like(lora_a) if need_a else empty,
+            torch.empty_like(lora_b) if need_b else empty,
+        )
+    dx, _, da, db = _lora_grouped_mm_backward_op(
+        grad, x, xa, weight, lora_a, lora_b, scale, ends, transposed, need_x, False, need_a, need_b
+    )
+    return dx, da, db
+
+
+@_backward_op.register_fake
+def _backward_fake(
+    grad,
+    x,
+    xa,
+    packed,
+    absmax,
+    code,
+    blocksize,
+    shape,
+    lora_a,
+    lora_b,
+    scale,
+    ends,
+    transposed,
+    need_x,
+    need_a,
+    need_b,
+):
+    empty = grad.new_empty(0)
+    return (
+        grad.new_empty((grad.shape[0], shape[1] if transposed else shape[2])) if need_x else empty,
+        lora_a.new_empty(lora_a.shape) if need_a else empty,
+        lora_b.new_empty(lora_b.shape) if need_b else empty,
+    )
+
+
+def _setup(ctx, inputs, output):
+    x, packed, absmax, code, blocksize, shape, bias, lora_a, lora_b, scale, ends, expert_ids, transposed = (
+        inputs
+    )
+    ctx.mark_non_differentiable(output[1])
+    # The input is kept only for dA: without an adapter (rank 0) it is not saved at all.
+    ctx.save_for_backward(
+        x if lora_a.shape[1] else None, output[1], packed, absmax, code, lora_a, lora_b, ends, expert_ids
+    )
+    ctx.blocksize, ctx.shape, ctx.scale, ctx.transposed = blocksize, list(shape), scale, transposed
+    ctx.bias_shape = None if bias is None else tuple(bias.shape)
+
+
+def _backward(ctx, grad, _grad_xa):
+    x, xa, packed, absmax, code, lora_a, lora_b, ends, expert_ids = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if need[1] or need[2] or need[3]:
+        raise RuntimeError(
+            "sloth::moe_lora_grouped_mm_4bit: the 4-bit expert weight is frozen; it has no gradient"
+        )
+    grad = grad.contiguous()
+    dx, da, db = call(
+        _backward_op,
+        grad, x if x is not None else grad.new_empty(0), xa, packed, absmax, code, ctx.blocksize, ctx.shape, lora_a, lora_b, ctx.scale, ends,
+        ctx.transposed, need[0], need[7], need[8],
+    )  # fmt: skip
+    dbias = None
+    if need[6]:
+        compute = torch.promote_types(grad.dtype, torch.float32)
+        dbias = grad.new_zeros(ctx.bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
+        dbias = dbias.to(grad.dtype)
+    return (
+        dx if need[0] else None, None, None, None, None, None, dbias,
+        da if need[7] else None, db if need[8] else None, None, None, None, None,
+    )  # fmt: skip
+
+
+register_autograd(_op, _backward, _setup)
+register_flops(
+    _op,
+    lambda x, packed, absmax, code, blocksize, shape, bias, a, b, scale, ends, ids, transposed, out_shape=None: (
+        _lora_flops(x[0], shape, a) + math.prod(shape)
+    ),
+)
+register_flops(
+    _backward_op,
+    lambda grad, x, xa, packed, absmax, code, blocksize, shape, a, b, scale, ends, transposed, nx, na, nb, out_shape=None: (
+        int(nx) * (2 * grad[0] * shape[1] * shape[2] + math.prod(shape)) + 2 * _lora_flops(grad[0], shape, a)
+    ),
+)
+
+
+def lora_grouped_mm_4bit(
+    x: Tensor,
+    storage: Packed4bit,
+    lora_a: Tensor | None,
+    lora_b: Tensor | None,
+    scale: float,
+    ends: Tensor,
+    *,
+    transposed: bool = False,
+    bias: Tensor | None = None,
+    expert_ids: Tensor | None = None,
+) -> Tensor:
+    """:func:`~lightning_sloth.moe.gemm.lora_grouped_mm` over a 4-bit ``[E, ., .]`` expert weight.
+
+    Args:
+        x: ``[S, in]`` rows in expert order (float16/bfloat16/float32); the GEMMs run in its dtype.
+        storage: the frozen weight's 4-bit storage, shape ``[E, out, in]`` or (``transposed``) ``[E, in, out]``.
+        lora_a, lora_b: ``[E, r, in]`` and ``[E, out, r]`` in x's dtype, or both None (no adapter).
+        scale: the LoRA scaling.
+        ends: int32 ``[E]`` cumulative row ends.
+        transposed: the weight layout.
+        bias: optional ``[E, out]``.
+        expert_ids: int64 ``[S]`` expert of each row; needed with a bias.
+
+    Returns:
+        ``[S, out]`` in x's dtype; gradients reach x, lora_a, lora_b and bias, never the storage.
+    """
+    shape = [int(s) for s in storage.shape]
+    if len(shape) != 3:
+        raise ValueError(f"lora_grouped_mm_4bit takes a 3-D expert weight, got shape {tuple(shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"lora_grouped_mm_4bit computes in float16/bfloat16/float32, got {x.dtype}")
+    n_in, n_out = (shape[1], shape[2]) if transposed else (shape[2], shape[1])
+    if lora_a is None:
+        lora_a = x.new_empty((shape[0], 0, n_in))
+        lora_b = x.new_empty((shape[0], n_out, 0))
+    rank = lora_a.shape[1]
+    if (
+        x.dim() != 2
+        or x.shape[1] != n_in
+        or lora_a.shape != (shape[0], rank, n_in)
+        or lora_b.shape != (shape[0], n_out, rank)
+        or ends.shape != (shape[0],)
+    ):
+        raise ValueError(
+            f"lora_grouped_mm_4bit: x {tuple(x.shape)}, weight {tuple(shape)} (transposed={transposed}), "
+            f"lora_a {tuple(lora_a.shape)} [E, r, in], lora_b {tuple(lora_b.shape)} [E, out, r], "
+            f"ends {tuple(ends.shape)} do not fit"
+        )
+    if bias is not None and expert_ids is None:
+        raise ValueError("lora_grouped_mm_4bit: a bias needs expert_ids")
+    absmax = storage.block_absmax()
+    _check_storage(storage.packed, absmax, storage.code, storage.blocksize, math.prod(shape))
+    ids = expert_ids if expert_ids is not None else ends.new_zeros(0, dtype=torch.int64)
+    out, _ = call(
+        _op, x, storage.packed, absmax, storage.code, int(storage.blocksize), shape, bias,
+        lora_a, lora_b.contiguous(), float(scale), ends, ids, transposed,
+    )  # fmt: skip
+    return out
