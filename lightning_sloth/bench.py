@@ -101,7 +101,9 @@ SHAPES = {
     ),
     # GPT-OSS-20B's layer shape (GptOssConfig's defaults: hidden 2880, 64/8 heads of 64, experts of
     # 2880, alternating 128-token sliding-window and full attention, sinks) at 8 of its 24 layers.
-    "gpt_oss_20b_8l": dict(num_hidden_layers=8, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088),
+    "gpt_oss_20b_8l": dict(
+        num_hidden_layers=8, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088
+    ),
     "qwen3_0_6b": dict(
         hidden_size=1024,
         intermediate_size=3072,

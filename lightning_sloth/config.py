@@ -557,7 +557,9 @@ def validate(cfg: DictConfig) -> None:
     _check_sloth(cfg.sloth, errors)
     _check_optimizer(cfg.optimizer, errors)
     if cfg.precision.get("quantize") not in (None, "nf4", "nf4-dq", "fp4"):
-        errors.append(f"precision.quantize: must be null, 'nf4', 'nf4-dq' or 'fp4', got {cfg.precision.quantize!r}")
+        errors.append(
+            f"precision.quantize: must be null, 'nf4', 'nf4-dq' or 'fp4', got {cfg.precision.quantize!r}"
+        )
     if cfg.resume is not None and not cfg.resume:
         errors.append("resume: must be 'auto', a checkpoint path or null, got ''")
     if errors:

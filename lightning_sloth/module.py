@@ -101,7 +101,9 @@ def flop_parameters(model: nn.Module) -> int:
     """
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    total = sum(p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in model.parameters() if p is not embedding)
+    total = sum(
+        p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in model.parameters() if p is not embedding
+    )
     return total + (head.numel() if head is embedding else 0)
 
 

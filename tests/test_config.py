@@ -164,7 +164,10 @@ def test_unknown_group_option_lists_the_options(hydra_conf):
             ["model=tiny_llama", "model.num_key_value_heads=3"],
             r"model.num_key_value_heads: must divide num_attention_heads \(4\), got 3",
         ),
-        (["model=tiny_llama", "model.hidden_size=130"], "model.hidden_size: must be a multiple of num_attention_heads"),
+        (
+            ["model=tiny_llama", "model.hidden_size=130"],
+            "model.hidden_size: must be a multiple of num_attention_heads",
+        ),
         (["data=jsonl"], "data.train_path: required for jsonl data"),
         (["data=hf_dataset"], "data.path: required for hf_dataset data"),
         (["model=hf"], "model.name_or_path: required for a pretrained model"),
@@ -230,7 +233,9 @@ def test_model_config_is_sized_to_the_tokenizer(hydra_conf):
 
 
 def test_model_extra_reaches_the_transformers_config(hydra_conf):
-    config = build.build_model_config(make("model=tiny_llama", "+model.extra.rms_norm_eps=1e-3").model, vocab_size=100)
+    config = build.build_model_config(
+        make("model=tiny_llama", "+model.extra.rms_norm_eps=1e-3").model, vocab_size=100
+    )
     assert config.rms_norm_eps == pytest.approx(1e-3)
 
 
@@ -323,7 +328,12 @@ def test_offload_adds_its_statistics_callback(hydra_conf, tmp_path, offload, exp
 
 
 def test_missing_files_are_named_while_validating(hydra_conf, tmp_path):
-    cfg = make("data=jsonl", f"data.train_path={tmp_path / 'nope.jsonl'}", "model=hf", "model.name_or_path=/no/such/model")
+    cfg = make(
+        "data=jsonl",
+        f"data.train_path={tmp_path / 'nope.jsonl'}",
+        "model=hf",
+        "model.name_or_path=/no/such/model",
+    )
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     message = str(info.value)

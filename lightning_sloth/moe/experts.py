@@ -116,7 +116,13 @@ def _compute_dtype(hidden_states: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _project(
-    x: Tensor, experts: nn.Module, name: str, bias: Tensor | None, grouping, transposed: bool, lora: LoraFactors | None
+    x: Tensor,
+    experts: nn.Module,
+    name: str,
+    bias: Tensor | None,
+    grouping,
+    transposed: bool,
+    lora: LoraFactors | None,
 ) -> Tensor:
     dtype = x.dtype
     bias = None if bias is None else bias.to(dtype)

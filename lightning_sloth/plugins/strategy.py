@@ -177,7 +177,10 @@ class _SlothSetup:
     def restore_checkpoint_after_setup(self) -> bool:
         # A 4-bit model's checkpoint fits the model only once the precision plugin has quantised it
         # (in setup); Lightning otherwise restores the weights before.
-        return getattr(self.precision_plugin, "quantize", None) is not None or super().restore_checkpoint_after_setup
+        return (
+            getattr(self.precision_plugin, "quantize", None) is not None
+            or super().restore_checkpoint_after_setup
+        )
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         from lightning_sloth.quant.linear import check_checkpoint_quantization
