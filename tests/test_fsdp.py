@@ -108,8 +108,9 @@ def hydra_conf():
 @pytest.mark.parametrize("multirun", [False, True])
 def test_hydra_trainer_fsdp_builds_the_fsdp_strategy(hydra_conf, tmp_path, multirun):
     cfg = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu"])
+    default = compose("train").trainer
     assert cfg.trainer.sharding is Sharding.fsdp and cfg.trainer.devices == 2
-    assert cfg.trainer.max_steps == 300  # the rest comes from trainer/default.yaml
+    assert cfg.trainer.max_steps == default.max_steps  # the rest comes from trainer/default.yaml
     trainer = build.build_trainer(cfg, tmp_path, multirun=multirun, callbacks=[], loggers=False)
     strategy = trainer.strategy
     assert type(strategy) is SlothFSDPStrategy and strategy.global_token_loss
@@ -151,6 +152,13 @@ def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, m
     )
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
+    # Building the Trainer sets process-wide state that later in-process runs would inherit: the
+    # rank that rank_zero_only reads, and SLURMEnvironment's MASTER_ADDR/MASTER_PORT.
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
     cfg = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu"])
     trainer = build.build_trainer(cfg, tmp_path, multirun=True, callbacks=[], loggers=False)
     assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
