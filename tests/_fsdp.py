@@ -18,9 +18,23 @@ import torch.multiprocessing as mp
 from _ddp import WORLD, free_port
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
-from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothFSDPStrategy, SlothPrecision
+from lightning_sloth import (
+    CausalLMModule,
+    LoraSettings,
+    OptimizerSettings,
+    SlothDDPStrategy,
+    SlothFSDPStrategy,
+    SlothPrecision,
+)
 from lightning_sloth.data import PackedBatch, PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter
 from lightning_sloth.plugins.strategy import transform_model
@@ -29,7 +43,7 @@ ACCUMULATE = 2
 
 
 def tiny_model(family: str, vocab: int, hidden: int = 64, layers: int = 2):
-    """Random-weight float32 Llama or Qwen3 (seeded), GQA 2:1."""
+    """Random-weight float32 Llama, Qwen3 or Qwen3-MoE (4 experts, top 2) (seeded), GQA 2:1."""
     torch.manual_seed(0)
     common = dict(
         hidden_size=hidden,
@@ -42,7 +56,24 @@ def tiny_model(family: str, vocab: int, hidden: int = 64, layers: int = 2):
     )
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
+    if family == "qwen3_moe":
+        moe = dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, norm_topk_prob=True
+        )
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=hidden // 4, **moe, **common))
     return Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+
+
+def lora_settings(family: str, lora: bool) -> LoraSettings | None:
+    """Rank-4 LoRA on every projection; on a MoE model also on the experts (PEFT target_parameters)."""
+    if not lora:
+        return None
+    if family == "qwen3_moe":
+        experts = ("experts.gate_up_proj", "experts.down_proj")
+        return LoraSettings(
+            r=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), target_parameters=experts
+        )
+    return LoraSettings(r=4)
 
 
 def datamodule(num_train: int = 48, max_tokens: int = 256, shuffle: bool = True) -> PackedDataModule:
@@ -128,16 +159,20 @@ def fit(
     hidden: int = 64,
     max_tokens: int = 256,
     export_dir: Path | None = None,
+    strategy: str = "fsdp",
+    quantize: str | None = None,
 ) -> Recorder:
-    """One ``Trainer.fit`` with ``SlothFSDPStrategy`` on the current (external) process pair."""
+    """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
+    on the current (external) process pair."""
     seed_everything(0, verbose=False)
     data = datamodule(num_train, max_tokens=max_tokens, shuffle=shuffle)
     model = tiny_model(family, len(data.tokenizer), hidden=hidden)
     module = CausalLMModule(
         model,
-        lora=LoraSettings(r=4) if lora else None,
+        lora=lora_settings(family, lora),
         optimizer=OptimizerSettings(lr=1e-2, scheduler="constant"),
     )
+    strategy_class = SlothFSDPStrategy if strategy == "fsdp" else SlothDDPStrategy
     recorder = Recorder()
     callbacks: list[Callback] = [recorder, GradientFlowGuard(every_n_steps=1)]
     if ckpt_dir is not None:
@@ -147,8 +182,8 @@ def fit(
     trainer = Trainer(
         accelerator=accelerator,
         devices=WORLD,
-        strategy=SlothFSDPStrategy(kernels=kernels or None, offload=offload),
-        plugins=[SlothPrecision(precision)],
+        strategy=strategy_class(kernels=kernels or None, offload=offload),
+        plugins=[SlothPrecision(precision, quantize=quantize)],
         callbacks=callbacks,
         max_steps=max_steps,
         max_epochs=max_epochs,
@@ -226,17 +261,34 @@ def reference_step(
     device: str = "cpu",
     hidden: int = 64,
     bf16_autocast: bool = False,
+    quantize: str | None = None,
 ):
     """One process, the same global batch: ``(loss, grads, grad_norm)`` of one optimizer step.
 
     The loss is the sum of token losses over every micro-batch of both ranks divided by all
     their target tokens; parameters are the ones the sharded run used at that step. Float32
-    with plain modules, or (``bf16_autocast``) bf16 autocast with the kernels on.
+    with plain modules, or (``bf16_autocast``) bf16 autocast with the kernels on. With
+    ``quantize`` the base weights are stored in 4 bits first (the same seeded weights give the
+    same codes and block scales, which are buffers and not recorded): the codes gathered from
+    the shards must equal them bit for bit.
     """
     data_vocab = len(build_char_tokenizer())
     model = tiny_model(family, data_vocab, hidden=hidden)
-    module = CausalLMModule(model, lora=LoraSettings(r=4) if lora else None)
-    module.load_state_dict(step_rank0["params"], strict=True)
+    module = CausalLMModule(model, lora=lora_settings(family, lora))
+    if quantize is not None:
+        from lightning_sloth.quant import quantize_model
+
+        quantize_model(module, quantize)
+        params = dict(module.named_parameters())
+        codes = {n: p for n, p in step_rank0["params"].items() if p.dtype == torch.uint8}
+        assert codes and all(torch.equal(params[n], p) for n, p in codes.items())
+        floats = {n: p for n, p in step_rank0["params"].items() if n not in codes}
+        missing, unexpected = module.load_state_dict(floats, strict=False)
+        assert not unexpected and set(missing) == codes.keys() | {
+            n for n in missing if n.endswith("_extra_state") or n in dict(module.named_buffers())
+        }
+    else:
+        module.load_state_dict(step_rank0["params"], strict=True)
     module.to(device).train()
     transform_model(
         module, packed_attention=True, gradient_checkpointing=False, kernels=bf16_autocast or None
@@ -306,9 +358,56 @@ def parity_and_resume(tmp: Path) -> dict:
     return out
 
 
+# (name, family, lora, fit settings): DDP's global-token loss, the MoE path (LoRA on the
+# experts too), NF4 base weights, and activation offload, each against one process.
+MORE_CASES = (
+    ("ddp", "llama", False, dict(strategy="ddp")),
+    ("moe", "qwen3_moe", True, dict()),
+    ("nf4", "llama", True, dict(quantize="nf4")),
+    ("offload", "llama", True, dict(offload="on")),
+)
+
+
+def _offload_any_size():
+    """Let the strategy's offloader take tensors of any size (the tiny layer inputs are below
+    its 1 MiB default); returns the undo."""
+    import lightning_sloth.offload as offload
+
+    original = offload.ActivationOffloader
+
+    class AnySize(original):
+        def __init__(self, policy="auto", **kwargs):
+            super().__init__(policy, **(kwargs | {"min_offload_bytes": 0}))
+
+    offload.ActivationOffloader = AnySize
+    return lambda: setattr(offload, "ActivationOffloader", original)
+
+
+def ddp_moe_nf4_offload(tmp: Path) -> dict:
+    """The second CPU scenario: :data:`MORE_CASES`, one ``Trainer.fit`` each."""
+    out: dict = {}
+    undo = _offload_any_size()
+    try:
+        for name, family, lora, settings in MORE_CASES:
+            recorder = fit(family, lora, max_steps=1, **settings)
+            out[name] = {
+                "steps": recorder.steps,
+                "losses": recorder.losses,
+                "report": recorder.strategy_report,
+                "offload": recorder.offload_stats,
+            }
+    finally:
+        undo()
+    return out
+
+
 def gpu_parity_and_offload(tmp: Path) -> dict:
     """The CUDA scenario: bf16-mixed with the Triton kernels (LoRA and full fine-tuning of a
-    Llama), and LoRA with activation offload on and off (float32, layer inputs over 1 MiB)."""
+    Llama), and LoRA with activation offload on and off (float32, layer inputs over 1 MiB).
+
+    The offload runs need enough samples that every rank packs full 1024-token batches: with 48
+    samples a rank's only batch can be 320 tokens, a 640 KiB layer input that stays below the
+    offloader's 1 MiB threshold (nothing offloaded on that rank, as designed)."""
     out: dict = {}
     ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
     for lora in (True, False):
@@ -317,7 +416,14 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
     out["ops"] = dict(ops)
     for offload in ("off", "on"):
         recorder = fit(
-            "llama", True, kernels=True, offload=offload, accelerator="gpu", hidden=512, max_tokens=1024
+            "llama",
+            True,
+            kernels=True,
+            offload=offload,
+            accelerator="gpu",
+            hidden=512,
+            max_tokens=1024,
+            num_train=192,
         )
         out[offload] = {
             "grads": recorder.steps[0].get("grads"),

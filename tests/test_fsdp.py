@@ -75,6 +75,67 @@ def test_resume_from_a_sharded_checkpoint_continues_the_same_loss_curve(runs):
         torch.testing.assert_close(resumed, full[len(resumed) :], rtol=1e-6, atol=0)
 
 
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory):
+    return _fsdp.run(_fsdp.ddp_moe_nf4_offload, tmp_path_factory.mktemp("fsdp_more"))
+
+
+def _assert_step_matches_one_process(record, other, family, lora, quantize=None):
+    step0, step1 = record["steps"][0], other["steps"][0]
+    assert not torch.equal(step0["batches"][0].input_ids, step1["batches"][0].input_ids)
+    loss, grads, _ = _fsdp.reference_step(family, lora, step0, step1, quantize=quantize)
+    torch.testing.assert_close(_fsdp.global_loss(record, other, 0), float(loss), rtol=1e-5, atol=0)
+    assert grads and grads.keys() == step0["grads"].keys()
+    for name, grad in grads.items():
+        atol = 1e-5 * float(grad.abs().max())  # float32 sums in another order
+        torch.testing.assert_close(step0["grads"][name], grad, rtol=1e-5, atol=atol, msg=name)
+    return grads
+
+
+def test_ddp_normalises_by_the_global_target_tokens(more_runs):
+    """sloth_ddp: gradients of one process on the global batch, not a mean of per-rank means."""
+    record, other = more_runs[0]["ddp"], more_runs[1]["ddp"]
+    assert not any("fully_shard" in step for step in record["report"])
+    assert len(record["steps"][0]["batches"]) == _fsdp.ACCUMULATE
+    counts = [b.num_target_tokens for r in (record, other) for b in r["steps"][0]["batches"]]
+    assert len(set(counts)) > 1  # a per-micro-batch mean would weight their tokens differently
+    _assert_step_matches_one_process(record, other, "llama", False)
+
+
+def test_moe_with_expert_lora_under_fsdp_matches_one_process(more_runs):
+    record, other = more_runs[0]["moe"], more_runs[1]["moe"]
+    assert "moe experts" in record["report"] and any("fully_shard" in a for a in record["report"])
+    grads = _assert_step_matches_one_process(record, other, "qwen3_moe", True)
+    # B starts at zero, so A's gradient does too; B's is what the experts' LoRA path produced.
+    experts = [n for n in grads if "experts" in n and "lora_B" in n]
+    assert len(experts) == 4 and all(float(grads[n].abs().max()) > 0 for n in experts)
+
+
+def test_nf4_base_weights_are_sharded_and_match_one_process(more_runs):
+    record, other = more_runs[0]["nf4"], more_runs[1]["nf4"]
+    assert any(a.startswith("4-bit base weights") for a in record["report"])
+    params = record["steps"][0]["params"]
+    packed = [n for n, p in params.items() if p.dtype == torch.uint8]
+    assert packed and all("base_layer" in n for n in packed)  # the frozen projections, in 4 bits
+    grads = _assert_step_matches_one_process(record, other, "llama", True, quantize="nf4")
+    assert all("lora_" in n for n in grads)
+
+
+def test_offload_under_fsdp_offloads_every_checkpointed_layer_input(more_runs):
+    """The offloader's hooks see the checkpoint inputs on both ranks (2 layers: the first is
+    offloaded, the last recomputed), and the step's gradients are one process's."""
+    for rank in (0, 1):
+        run = more_runs[rank]["offload"]
+        assert "activation offload (on)" in run["report"]
+        stats = run["offload"]
+        batches = run["steps"][0]["batches"]
+        assert stats["steps"] == len(batches)  # one forward per micro-batch
+        layer_inputs = sum(b.input_ids.numel() * 64 * 4 for b in batches)  # [1, T, 64] float32
+        assert stats["offloaded_bytes_per_step"] * stats["steps"] == layer_inputs
+        assert stats["prefetched"] + stats["fetched_on_demand"] == len(batches)
+    _assert_step_matches_one_process(more_runs[0]["offload"], more_runs[1]["offload"], "llama", True)
+
+
 def test_one_device_is_refused_with_a_clear_error():
     with pytest.raises(ShardingError, match="one device; use strategy='sloth'"):
         Trainer(accelerator="cpu", devices=1, strategy="sloth_fsdp", logger=False)

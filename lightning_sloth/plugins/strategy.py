@@ -245,9 +245,22 @@ class SlothDDPStrategy(_SlothSetup, DDPStrategy):
 
     Takes the same arguments as :class:`SlothStrategy` plus everything ``DDPStrategy`` takes
     (``start_method="spawn"`` is what the Hydra app uses under ``-m`` multirun).
+
+    Args:
+        global_token_loss: ``CausalLMModule`` normalises a step's loss by the global number of
+            target tokens (all ranks, all micro-batches of the accumulation window; one all-reduce
+            of a count per optimizer step), which gives the gradients of one process on the whole
+            global batch (:class:`~lightning_sloth.token_loss.GlobalTokenLoss`). ``False``: the
+            mean of per-rank, per-micro-batch means (DDP's plain averaging), which weights a token
+            of a short packed batch more than one of a long batch.
     """
 
     strategy_name = "sloth_ddp"
+
+    def __init__(self, *args: Any, global_token_loss: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # CausalLMModule reads this (as it does for SlothFSDPStrategy).
+        self.global_token_loss = global_token_loss
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -348,15 +361,21 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         super().setup_environment()
 
     def apply_transformations(self) -> SlothReport:
-        """Transform, convert to a true half dtype if asked, then ``fully_shard`` (in this order)."""
-        from lightning_sloth.plugins.sharding import mixed_precision_policy, shard_model, shardable_layers
+        """Transform, quantise / convert to a true half dtype if asked, then ``fully_shard`` (in this order)."""
+        from lightning_sloth.plugins.sharding import (
+            convert_before_sharding,
+            mixed_precision_policy,
+            shard_model,
+            shardable_layers,
+        )
 
         policy = mixed_precision_policy(self.precision_plugin.precision)
         hf_model = find_hf_model(self.lightning_module)
         shardable_layers(hf_model)  # refuse before transforming anything
         report = super().apply_transformations()
-        if self.precision_plugin.precision.endswith("-true"):
-            self.precision_plugin.convert_module(self.lightning_module)  # in place, before sharding
+        quantized = convert_before_sharding(self.precision_plugin, self.lightning_module, self.root_device)
+        if quantized:
+            report.applied.append(f"4-bit base weights ({quantized} tensors, sharded)")
         layers = shard_model(
             self.lightning_module,
             hf_model,
