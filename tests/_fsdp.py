@@ -200,6 +200,8 @@ def fit(
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     recorder.grad_norm = callbacks[1].last_grad_norm
     recorder.strategy_report = list(trainer.strategy.sloth_report.applied)
+    codes = [p for p in module.parameters() if p.dtype == torch.uint8]  # 4-bit weights' packed codes
+    recorder.codes_sharded = (sum(type(p).__name__ == "DTensor" for p in codes), len(codes))
     offloader = trainer.strategy.offloader
     recorder.offload_stats = offloader.stats() if offloader is not None else {}
     if export_dir is not None:
@@ -363,7 +365,7 @@ def parity_and_resume(tmp: Path) -> dict:
 MORE_CASES = (
     ("ddp", "llama", False, dict(strategy="ddp")),
     ("moe", "qwen3_moe", True, dict()),
-    ("nf4", "llama", True, dict(quantize="nf4")),
+    ("nf4", "qwen3_moe", True, dict(quantize="nf4")),
     ("offload", "llama", True, dict(offload="on")),
 )
 
@@ -395,6 +397,7 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
                 "losses": recorder.losses,
                 "report": recorder.strategy_report,
                 "offload": recorder.offload_stats,
+                "codes_sharded": recorder.codes_sharded,
             }
     finally:
         undo()

@@ -112,12 +112,16 @@ def test_moe_with_expert_lora_under_fsdp_matches_one_process(more_runs):
 
 
 def test_nf4_base_weights_are_sharded_and_match_one_process(more_runs):
+    """A Qwen3-MoE in NF4 (projections and 3-D experts) with LoRA on both: FSDP2 shards the packed
+    codes, gathers them back bit for bit (checked in reference_step), and the step is one process's."""
     record, other = more_runs[0]["nf4"], more_runs[1]["nf4"]
     assert any(a.startswith("4-bit base weights") for a in record["report"])
-    params = record["steps"][0]["params"]
-    packed = [n for n, p in params.items() if p.dtype == torch.uint8]
-    assert packed and all("base_layer" in n for n in packed)  # the frozen projections, in 4 bits
-    grads = _assert_step_matches_one_process(record, other, "llama", True, quantize="nf4")
+    sharded, total = record["codes_sharded"]
+    assert total > 0 and sharded == total  # every 4-bit weight is a DTensor shard between steps
+    packed = [n for n, p in record["steps"][0]["params"].items() if p.dtype == torch.uint8]
+    assert any(n.endswith("q_proj.base_layer.weight") for n in packed)
+    assert any("experts" in n and n.endswith(".gate_up_proj") for n in packed)
+    grads = _assert_step_matches_one_process(record, other, "qwen3_moe", True, quantize="nf4")
     assert all("lora_" in n for n in grads)
 
 
