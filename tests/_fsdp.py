@@ -280,7 +280,7 @@ def reference_step(
     if quantize is not None:
         from lightning_sloth.quant import quantize_model
 
-        quantize_model(module, quantize)
+        quantize_model(module, quantize, device=device)  # where the sharded run quantised them
         params = dict(module.named_parameters())
         codes = {n: p for n, p in step_rank0["params"].items() if p.dtype == torch.uint8}
         assert codes and all(torch.equal(params[n], p) for n, p in codes.items())
@@ -406,7 +406,8 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
 
 def gpu_parity_and_offload(tmp: Path) -> dict:
     """The CUDA scenario: bf16-mixed with the Triton kernels (LoRA and full fine-tuning of a
-    Llama), and LoRA with activation offload on and off (float32, layer inputs over 1 MiB).
+    Llama; LoRA of a Qwen3-MoE in NF4, projections and experts), and LoRA with activation offload
+    on and off (float32, layer inputs over 1 MiB).
 
     The offload runs need enough samples that every rank packs full 1024-token batches: with 48
     samples a rank's only batch can be 320 tokens, a 640 KiB layer input that stays below the
@@ -417,6 +418,10 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
         recorder = fit("llama", lora, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256)
         out[lora] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
     out["ops"] = dict(ops)
+    recorder = fit(
+        "qwen3_moe", True, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256, quantize="nf4"
+    )
+    out["moe_nf4"] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
     for offload in ("off", "on"):
         recorder = fit(
             "llama",

@@ -31,15 +31,19 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value.float() - reference).norm() / reference.norm().clamp(min=1e-30))
 
 
-@pytest.mark.parametrize("lora", [True, False])
-def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, lora):
+@pytest.mark.parametrize(
+    "case,family,lora,quantize",
+    [(True, "llama", True, None), (False, "llama", False, None), ("moe_nf4", "qwen3_moe", True, "nf4")],
+)
+def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, case, family, lora, quantize):
     """FSDP2 in bf16 (kernels on) vs float32 on one GPU; its error is that of one-GPU bf16."""
-    record, other = runs[0][lora], runs[1][lora]
+    record, other = runs[0][case], runs[1][case]
     assert "kernels" in record["report"] and any("fully_shard" in a for a in record["report"])
     step0, step1 = record["steps"][0], other["steps"][0]
-    loss, grads, _ = _fsdp.reference_step("llama", lora, step0, step1, device="cuda", hidden=256)
+    settings = dict(device="cuda", hidden=256, quantize=quantize)
+    loss, grads, _ = _fsdp.reference_step(family, lora, step0, step1, **settings)
     bf16_loss, bf16_grads, _ = _fsdp.reference_step(
-        "llama", lora, step0, step1, device="cuda", hidden=256, bf16_autocast=True
+        family, lora, step0, step1, bf16_autocast=True, **settings
     )
     sharded_loss = _fsdp.global_loss(record, other, 0)
     assert sharded_loss == pytest.approx(float(loss), rel=1e-2)
@@ -51,7 +55,7 @@ def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, lora):
         assert error <= max(2 * one_gpu, 1e-2), (name, error, one_gpu)
     name = max(worst, key=lambda n: worst[n][0])
     print(
-        f"lora={lora}: loss fsdp {sharded_loss:.6f} / fp32 {float(loss):.6f} / bf16 1-GPU "
+        f"{family} lora={lora} quantize={quantize}: loss fsdp {sharded_loss:.6f} / fp32 {float(loss):.6f} / bf16 1-GPU "
         f"{float(bf16_loss):.6f}; worst gradient {name}: relative error {worst[name][0]:.2e} "
         f"(one-GPU bf16: {worst[name][1]:.2e})"
     )
