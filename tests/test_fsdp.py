@@ -13,7 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 
-from lightning_sloth import SlothFSDPStrategy, build
+from lightning_sloth import SlothDDPStrategy, SlothFSDPStrategy, build
 from lightning_sloth.config import Sharding
 from lightning_sloth.plugins.sharding import (
     ShardingError,
@@ -185,6 +185,13 @@ def test_hydra_trainer_fsdp_builds_the_fsdp_strategy(hydra_conf, tmp_path, multi
         assert strategy.launcher._start_method == "spawn"
     else:
         assert isinstance(strategy.launcher, _SubprocessScriptLauncher)
+
+
+def test_hydra_ddp_uses_the_global_token_loss(hydra_conf, tmp_path):
+    cfg = compose("train", overrides=["trainer.devices=2", "trainer.accelerator=cpu"])
+    strategy = build.build_trainer(cfg, tmp_path, callbacks=[], loggers=False).strategy
+    assert type(strategy) is SlothDDPStrategy and strategy.global_token_loss
+    assert not SlothDDPStrategy(global_token_loss=False).global_token_loss
 
 
 def test_hydra_trainer_fsdp_on_one_device_is_refused(hydra_conf, tmp_path):
