@@ -361,12 +361,15 @@ def parity_and_resume(tmp: Path) -> dict:
 
 
 # (name, family, lora, fit settings): DDP's global-token loss, the MoE path (LoRA on the
-# experts too), NF4 base weights, and activation offload, each against one process.
+# experts too), NF4 base weights, and activation offload, each against one process. The NF4 run
+# lasts two epochs (one step each) and is resumed from its first epoch's sharded checkpoint.
+_ONE_STEP = dict(max_steps=1)
+_TWO_EPOCHS = dict(max_steps=-1, max_epochs=2, num_train=32, shuffle=False)
 MORE_CASES = (
-    ("ddp", "llama", False, dict(strategy="ddp")),
-    ("moe", "qwen3_moe", True, dict()),
-    ("nf4", "qwen3_moe", True, dict(quantize="nf4")),
-    ("offload", "llama", True, dict(offload="on")),
+    ("ddp", "llama", False, dict(strategy="ddp", **_ONE_STEP)),
+    ("moe", "qwen3_moe", True, dict(_ONE_STEP)),
+    ("nf4", "qwen3_moe", True, dict(quantize="nf4", **_TWO_EPOCHS)),
+    ("offload", "llama", True, dict(offload="on", **_ONE_STEP)),
 )
 
 
@@ -386,12 +389,13 @@ def _offload_any_size():
 
 
 def ddp_moe_nf4_offload(tmp: Path) -> dict:
-    """The second CPU scenario: :data:`MORE_CASES`, one ``Trainer.fit`` each."""
+    """The second CPU scenario: :data:`MORE_CASES`, one ``Trainer.fit`` each (and the NF4 resume)."""
     out: dict = {}
     undo = _offload_any_size()
     try:
         for name, family, lora, settings in MORE_CASES:
-            recorder = fit(family, lora, max_steps=1, **settings)
+            ckpt_dir = tmp / name if "max_epochs" in settings else None
+            recorder = fit(family, lora, ckpt_dir=ckpt_dir, **settings)
             out[name] = {
                 "steps": recorder.steps,
                 "losses": recorder.losses,
@@ -399,6 +403,9 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
                 "offload": recorder.offload_stats,
                 "codes_sharded": recorder.codes_sharded,
             }
+            if ckpt_dir is not None:
+                first = sorted(ckpt_dir.iterdir())[0]
+                out[name]["resumed"] = fit(family, lora, ckpt_path=str(first), **settings).losses
     finally:
         undo()
     return out
