@@ -362,7 +362,8 @@ def parity_and_resume(tmp: Path) -> dict:
 
 # (name, family, lora, fit settings): DDP's global-token loss, the MoE path (LoRA on the
 # experts too), NF4 base weights, and activation offload, each against one process. The NF4 run
-# lasts two epochs (one step each) and is resumed from its first epoch's sharded checkpoint.
+# lasts two epochs (one step each), exports its adapter and is resumed from its first epoch's
+# sharded checkpoint.
 _ONE_STEP = dict(max_steps=1)
 _TWO_EPOCHS = dict(max_steps=-1, max_epochs=2, num_train=32, shuffle=False)
 MORE_CASES = (
@@ -395,7 +396,8 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
     try:
         for name, family, lora, settings in MORE_CASES:
             ckpt_dir = tmp / name if "max_epochs" in settings else None
-            recorder = fit(family, lora, ckpt_dir=ckpt_dir, **settings)
+            export_dir = tmp / f"export_{name}" if ckpt_dir is not None else None
+            recorder = fit(family, lora, ckpt_dir=ckpt_dir, export_dir=export_dir, **settings)
             out[name] = {
                 "steps": recorder.steps,
                 "losses": recorder.losses,
@@ -404,6 +406,7 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
                 "codes_sharded": recorder.codes_sharded,
             }
             if ckpt_dir is not None:
+                out[name]["export"] = recorder.export
                 first = sorted(ckpt_dir.iterdir())[0]
                 out[name]["resumed"] = fit(family, lora, ckpt_path=str(first), **settings).losses
     finally:

@@ -114,7 +114,8 @@ def test_moe_with_expert_lora_under_fsdp_matches_one_process(more_runs):
 def test_nf4_base_weights_are_sharded_and_match_one_process(more_runs):
     """A Qwen3-MoE in NF4 (projections and 3-D experts) with LoRA on both: FSDP2 shards the packed
     codes, gathers them back bit for bit (checked in reference_step), the step is one process's,
-    and a run resumed from a sharded checkpoint continues the same loss curve."""
+    the exported adapter holds the trained weights, and a run resumed from a sharded checkpoint
+    continues the same loss curve."""
     record, other = more_runs[0]["nf4"], more_runs[1]["nf4"]
     assert any(a.startswith("4-bit base weights") for a in record["report"])
     sharded, total = record["codes_sharded"]
@@ -124,6 +125,8 @@ def test_nf4_base_weights_are_sharded_and_match_one_process(more_runs):
     assert any("experts" in n and n.endswith(".gate_up_proj") for n in packed)
     grads = _assert_step_matches_one_process(record, other, "qwen3_moe", True, quantize="nf4")
     assert all("lora_" in n for n in grads)
+    export = record["export"]  # the adapter, gathered from the shards
+    assert export["saved"] > 0 and export["matched"] == export["saved"] and export["max_diff"] == 0.0
     for rank in (0, 1):  # resumed from the first epoch's sharded checkpoint: the same second epoch
         full, resumed = more_runs[rank]["nf4"]["losses"], more_runs[rank]["nf4"]["resumed"]
         assert len(full) == 2 * len(resumed) and len(resumed) >= 2
