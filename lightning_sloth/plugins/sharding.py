@@ -2,8 +2,9 @@
 
 The strategy transforms the model first (kernels, packed attention, checkpointing + offload
 hooks, all of which replace forwards or set attributes and so must see the plain modules), then
-:func:`shard_model` applies ``fully_shard`` to every decoder layer and last to the transformers
-model as root::
+:func:`convert_before_sharding` stores the frozen base weights in 4 bits and/or casts to a true
+half dtype when the precision plugin asks, then :func:`shard_model` applies ``fully_shard`` to
+every decoder layer and last to the transformers model as root::
 
     LlamaForCausalLM  (root unit: embed_tokens, norm, lm_head; tied weights stay one parameter)
       model.layers[0]  (one unit: attention, MLP, norms, and their LoRA A/B next to the frozen base)

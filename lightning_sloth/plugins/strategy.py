@@ -298,7 +298,10 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
     base weights), then on the transformers model as root. Mixed precision is FSDP2's
     ``MixedPrecisionPolicy`` derived from the Trainer's precision plugin
     (:func:`~lightning_sloth.plugins.sharding.mixed_precision_policy`); ``clip_grad_norm_`` and
-    AdamW (fused on CUDA) work on the sharded ``DTensor`` parameters. ``CausalLMModule``
+    AdamW (fused on CUDA) work on the sharded ``DTensor`` parameters. With
+    ``SlothPrecision(quantize=...)`` the frozen base weights are stored in 4 bits before sharding,
+    and FSDP2 shards their packed codes (:func:`~lightning_sloth.plugins.sharding.convert_before_sharding`).
+    ``CausalLMModule``
     normalises the loss by the step's global number of target tokens
     (:class:`~lightning_sloth.token_loss.GlobalTokenLoss`). Checkpoints are Lightning's
     distributed (sharded) checkpoints: ``last.ckpt`` is a directory.
