@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from lightning_sloth.kernels._utils import _multiprocessors as multiprocessors
 from lightning_sloth.kernels._utils import launchable
 
 
@@ -108,7 +109,7 @@ def _matmul_4bit_t_kernel(
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few splits exercise the partial sums
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
