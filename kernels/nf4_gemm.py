@@ -13,6 +13,13 @@ input dtype exactly as the dequantisation kernel rounds them, and float32 accumu
 products (decoding, a few hundred tokens) leave most SMs idle with one program per output tile, so
 the reduction is split over ``SPLIT`` programs writing float32 partial sums, added afterwards.
 
+Measured on the H100 (``benchmarks/results/nf4_gemm_h100.json``) these kernels are slower than
+dequantise-into-a-buffer + cuBLAS at every token count tried, 16 to 16,384 (0.3x to 0.9x at 16
+tokens, about 0.03x at 16k): each code and block scale is a gathered load per element, and the
+byte tiles are not vectorised. So ``sloth::lora_linear_4bit`` does not use them
+(``lightning_sloth.ops.nf4.FUSED_MAX_ROWS = 0``); they stay as the ``sloth::matmul_4bit`` ops, the
+measured alternative.
+
 Double-quantised scales (``nf4-dq``) are decoded to float32 before the call (a ``[K * N / 64]``
 vector), as for the buffer path; the kernel reads float32 scales only.
 """
@@ -153,6 +160,8 @@ def matmul_4bit(
         ``[M, n]`` in x's dtype (float32 accumulation).
     """
     m, k = x.shape
+    if m == 0:
+        return x.new_empty(0, n)
     half_k = k // 2
     tiles = _tiles(m)
     block_m, block_n, block_kb, _ = tiles
@@ -179,6 +188,8 @@ def matmul_4bit_t(
         ``[M, k]`` in dy's dtype.
     """
     m, n = dy.shape
+    if m == 0:
+        return dy.new_empty(0, k)
     half_k = k // 2
     tiles = _tiles(m)
     block_m, block_n, block_kb, _ = tiles

@@ -75,6 +75,15 @@ def test_gemm_kernel_takes_strided_rows_interpreted():
     torch.testing.assert_close(y.double(), x.double() @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
+@interpreted_only
+def test_gemm_kernels_take_zero_rows_interpreted():
+    from lightning_sloth.kernels.nf4_gemm import matmul_4bit, matmul_4bit_t
+
+    q = quantize_4bit(torch.randn(40, 66), "nf4")
+    assert matmul_4bit(torch.randn(0, 66), q.packed, q.absmax, q.code, 64, 40).shape == (0, 40)
+    assert matmul_4bit_t(torch.randn(0, 40), q.packed, q.absmax, q.code, 64, 66).shape == (0, 66)
+
+
 @launcher_only
 def test_kernels_under_triton_interpreter():
     result = run_interpreted_cases(__file__)

@@ -21,13 +21,15 @@ number of rows (tokens):
 - buffer: dequantise the whole weight into the scratch, then cuBLAS. The dequantisation costs a
   fixed ``2.5 * N * K`` bytes of traffic, small beside a GEMM over many rows;
 - fused (``lightning_sloth.kernels.nf4_gemm``): a Triton GEMM that decodes the 4-bit codes inside
-  its operand load and never writes the weight out; it reads ``N * K / 2`` bytes. It wins where the
-  product is bound by reading the weight (decoding, short steps) and loses to cuBLAS's tensor-core
-  pipeline once the rows make it compute bound.
+  its operand load and never writes the weight out; it reads ``N * K / 2`` bytes, which could pay
+  where the product is bound by reading the weight (decoding, short steps), never once the rows
+  make it compute bound (cuBLAS's tensor-core pipeline is far ahead there).
 
 :data:`FUSED_MAX_ROWS` is the crossover measured on the H100 (``benchmarks/nf4_gemm_bench.py``,
 ``benchmarks/results/nf4_gemm_h100.json``): the fused kernel runs for at most that many rows, on
-CUDA, with an even ``in_features``.
+CUDA, with an even ``in_features``. The measurement found no crossover: the fused kernels as they
+are lost at every token count from 16 to 16,384 on the four Llama-3.1-8B projection shapes, so it
+is 0 and the buffer path always runs.
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ if TRITON_OPS:
 
 __all__ = ["FUSED_MAX_ROWS", "dequantize_4bit", "dequantize_4bit_into", "lora_linear_4bit", "matmul_4bit"]
 
-FUSED_MAX_ROWS = 256
-"""Rows (tokens) up to which the 4-bit base product decodes inside the GEMM instead of a buffer + cuBLAS."""
+FUSED_MAX_ROWS = 0
+"""Rows (tokens) up to which the 4-bit base product decodes inside the GEMM instead of a buffer +
+cuBLAS: 0, measured (the fused kernels never won; see the module notes)."""
 
 
 def use_fused(x: Tensor, rows: int, in_features: int) -> bool:
     """Whether the base product of ``rows`` rows runs the fused decode-in-GEMM kernel (see the module notes)."""
-    return use_triton(x) and in_features % 2 == 0 and rows <= FUSED_MAX_ROWS
+    return use_triton(x) and in_features % 2 == 0 and 0 < rows <= FUSED_MAX_ROWS
 
 
 def dequantize_4bit_into(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out: Tensor) -> Tensor:

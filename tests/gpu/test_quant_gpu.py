@@ -178,7 +178,7 @@ def test_fused_ops_opcheck_and_compile():
     torch.testing.assert_close(compiled, eager)
 
 
-@pytest.mark.parametrize("rows", [7, "max", "max+1", 4096])
+@pytest.mark.parametrize("rows", [1, 7, "max+1", 4096])
 def test_lora_op_takes_the_fused_path_only_up_to_the_threshold(rows, monkeypatch):
     """Forward and backward pick the fused kernels for at most FUSED_MAX_ROWS rows and the buffer +
     cuBLAS path above; both give the reference result."""
@@ -187,7 +187,7 @@ def test_lora_op_takes_the_fused_path_only_up_to_the_threshold(rows, monkeypatch
     from lightning_sloth.ops import nf4 as nf4_ops
 
     limit = nf4_ops.FUSED_MAX_ROWS
-    rows = {"max": limit, "max+1": limit + 1}.get(rows, rows)
+    rows = {"max+1": limit + 1}.get(rows, rows)
     calls = []
     for name in ("matmul_4bit", "matmul_4bit_t"):
         real = getattr(nf4_gemm, name)
@@ -204,7 +204,7 @@ def test_lora_op_takes_the_fused_path_only_up_to_the_threshold(rows, monkeypatch
     y = lora_linear_4bit(x, q.packed, q.absmax, q.code, 64, a, b, 2.0)
     grad = torch.randn_like(y)
     y.backward(grad)
-    fused = rows <= limit
+    fused = rows <= limit  # FUSED_MAX_ROWS is 0 as measured: the buffer path for every row count
     assert calls == (["matmul_4bit", "matmul_4bit_t"] if fused else [])
     xr, ar, br = (t.detach().double().requires_grad_() for t in (x, a, b))
     yr = xr @ w.t() + 2.0 * (xr @ ar.t()) @ br.t()
