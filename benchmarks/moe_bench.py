@@ -10,9 +10,13 @@ Modes: ``frozen`` (expert and router weights frozen, the input's gradient taken)
 transformers' implementations PEFT's own forward, for ``sloth`` the factors inside the grouped GEMMs).
 Each system: median of CUDA-event timings over the timed steps (warm-up excluded), the peak memory
 allocated above what was allocated before the step (weights, input and adapters), and the output's
-relative difference to ``grouped_mm``'s on the same weights and input::
+relative difference to ``grouped_mm``'s on the same weights and input. ``sloth_nf4`` is ``sloth``
+with the expert weights then stored in NF4 (``lightning_sloth.moe.quant``; LoRA made before, as in
+training); its difference to ``grouped_mm`` is the quantisation error, and its base allocation holds
+the 4-bit experts::
 
     python benchmarks/moe_bench.py --out moe_layer.json [--tokens 16384] [--skip-eager]
+    python benchmarks/moe_bench.py --out moe_nf4.json --shapes qwen3_30b_a3b --systems grouped_mm,sloth,sloth_nf4
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ SHAPES = {
         intermediate_size=2880,
     ),
 }
-SYSTEMS = ("eager", "grouped_mm", "sloth")
+SYSTEMS = ("eager", "grouped_mm", "sloth", "sloth_nf4")
 
 
 def _block(
@@ -83,9 +87,13 @@ def _with_lora(block: torch.nn.Module) -> torch.nn.Module:
 
 def _select(block: torch.nn.Module, system: str) -> None:
     from lightning_sloth.moe import install_lora_experts, register, uninstall_lora_experts
+    from lightning_sloth.moe.quant import quantize_experts
 
     register()
     experts = next(m for m in block.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts"))
+    if system == "sloth_nf4":  # in place: this system runs last
+        quantize_experts(experts, "nf4")
+        system = "sloth"
     experts.config._experts_implementation = system
     uninstall_lora_experts(block)
     if system == "sloth":
@@ -184,6 +192,11 @@ def run_case(
     if "median_ms" in grouped and "median_ms" in ours:
         results["speedup_vs_grouped_mm"] = grouped["median_ms"] / ours["median_ms"]
         results["memory_ratio_vs_grouped_mm"] = ours["peak_over_base_gib"] / grouped["peak_over_base_gib"]
+    nf4 = results.get("sloth_nf4", {})
+    if "median_ms" in nf4 and "median_ms" in ours:
+        results["nf4_time_ratio_vs_sloth_bf16"] = nf4["median_ms"] / ours["median_ms"]
+        results["nf4_total_peak_gib"] = nf4["base_allocated_gib"] + nf4["peak_over_base_gib"]
+        results["bf16_total_peak_gib"] = ours["base_allocated_gib"] + ours["peak_over_base_gib"]
     return results
 
 
@@ -196,11 +209,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default="frozen,lora")
     parser.add_argument("--skip-eager", action="store_true")
+    parser.add_argument(
+        "--systems", default="eager,grouped_mm,sloth", help=f"a subset of {SYSTEMS}, run in that order"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--profile", default=None, help="a text file for per-kernel device times")
     args = parser.parse_args(argv)
-    systems = [s for s in SYSTEMS if not (args.skip_eager and s == "eager")]
+    wanted = args.systems.split(",")
+    unknown = sorted(set(wanted) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    systems = [s for s in SYSTEMS if s in wanted and not (args.skip_eager and s == "eager")]
     report = {
         "benchmark": "one MoE layer, forward + backward, bf16",
         "environment": environment(),

@@ -8,17 +8,25 @@ Systems (each in its own process; the step loop, timing and memory accounting ar
     sloth_nf4_offload  + activation offload ("on")
     hf_bnb_packed      transformers + PEFT + bitsandbytes: the same NF4 weights as bitsandbytes
                        Linear4bit layers, prepare_model_for_kbit_training, packed rows with SDPA
+    hf_bnb_padded      the same, the ordinary recipe: padded micro-batches of 8 samples with SDPA
 
     python benchmarks/qlora_bench.py --shape llama_3_1_8b --systems sloth_bf16,sloth_nf4,hf_bnb_packed --out x.json
+
+``--probe-max-tokens CAP`` (with one system) finds the longest single sequence that trains one
+step: lengths double from ``--probe-start`` to ``CAP``, then the bracket is bisected down to
+``--probe-step`` tokens while ``--probe-seconds`` last (a bracket not closed in time is reported as
+such). The model is built once; a failed length frees what it left before the next one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
-from dataclasses import asdict
+import time
+from dataclasses import asdict, replace
 
 import torch
 
@@ -106,23 +114,94 @@ def hf_bnb_system(workload: bench.Workload):
 
 
 SYSTEMS = {
-    "sloth_bf16": sloth_system(False),
-    "sloth_nf4": sloth_system(True),
-    "sloth_nf4_offload": sloth_system(True, offload="on"),
-    "hf_bnb_packed": hf_bnb_system,
+    "sloth_bf16": (sloth_system(False), bench._packed_batches),
+    "sloth_nf4": (sloth_system(True), bench._packed_batches),
+    "sloth_nf4_offload": (sloth_system(True, offload="on"), bench._packed_batches),
+    "hf_bnb_packed": (hf_bnb_system, bench._packed_batches),
+    "hf_bnb_padded": (hf_bnb_system, bench._hf_padded_batches),
 }
+
+
+def _fits(model, workload: bench.Workload, tokens: int) -> dict:
+    """One training step of a single ``tokens``-long sequence: ``{"fits": bool, "peak_allocated_gib": ...}``."""
+    one = replace(
+        workload, median_len=tokens, min_len=tokens, max_len=tokens, sigma=1e-6, tokens_per_step=tokens,
+        warmup_steps=0, timed_steps=1,
+    )  # fmt: skip
+    samples = one.samples(SHAPES[workload.shape][1]["vocab_size"])[:1]
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        micro, _, _, targets = next(bench._packed_batches(one, samples, 0))
+        micro, num_items = bench.stage_batch(micro, targets)
+        bench.forward_backward(model, micro, num_items)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        fits = True
+    except torch.OutOfMemoryError:
+        fits = False
+    finally:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    result = {
+        "tokens": tokens,
+        "fits": fits,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "seconds": time.perf_counter() - start,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def probe_max_tokens(args, workload: bench.Workload) -> dict:
+    """Longest single sequence (a multiple of ``--probe-step``) that trains one step; see the module notes."""
+    model = SYSTEMS[args.only][0](workload)
+    model.train()
+    started, step, cap = time.perf_counter(), args.probe_step, args.probe_max_tokens
+    tried: list[dict] = []
+
+    def fits(tokens: int) -> bool:
+        tried.append(_fits(model, workload, tokens))
+        return tried[-1]["fits"]
+
+    def in_time() -> bool:
+        return time.perf_counter() - started < args.probe_seconds
+
+    low, high = 0, None
+    tokens = args.probe_start
+    while high is None and tokens <= cap and in_time():
+        low, high = (tokens, None) if fits(tokens) else (low, tokens)
+        tokens *= 2
+    while high is not None and high - low > step and in_time():
+        mid = (low + high) // 2 // step * step
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    closed = high is None and tokens > cap or high is not None and high - low <= step
+    return {
+        "system": args.only,
+        "max_tokens": low,
+        "smallest_failure": high,
+        "resolution": step,
+        "cap": cap,
+        "bracket_closed": closed,
+        "probes": tried,
+    }
 
 
 def run_one(args) -> dict:
     bench.SHAPES.setdefault(args.shape, SHAPES[args.shape][1])
-    for name, setup in SYSTEMS.items():
-        bench.SYSTEMS[name] = (setup, bench._packed_batches)
+    bench.SYSTEMS.update(SYSTEMS)
+    timed = args.timed_steps
+    if args.only == "hf_bnb_padded" and args.padded_timed_steps:
+        timed = args.padded_timed_steps
     workload = bench.Workload(
         shape=args.shape,
         tokens_per_step=args.tokens_per_step,
-        timed_steps=args.timed_steps,
+        timed_steps=timed,
         warmup_steps=args.warmup_steps,
     )
+    if args.probe_max_tokens:
+        return probe_max_tokens(args, workload) | {"workload": asdict(workload)}
     if args.doc_len:  # one length for every document: a step of one long sequence
         workload.median_len = workload.min_len = workload.max_len = args.doc_len
         workload.sigma = 1e-6
@@ -140,12 +219,22 @@ def main() -> None:
     parser.add_argument("--shape", default="llama_3_1_8b", choices=sorted(SHAPES))
     parser.add_argument("--systems", default="sloth_bf16,sloth_nf4,sloth_nf4_offload,hf_bnb_packed")
     parser.add_argument("--tokens-per-step", type=int, default=16384)
-    parser.add_argument("--timed-steps", type=int, default=5)
+    parser.add_argument("--timed-steps", type=int, default=20)
+    parser.add_argument(
+        "--padded-timed-steps",
+        type=int,
+        default=0,
+        help="timed steps of hf_bnb_padded only (0: --timed-steps)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument(
         "--doc-len", type=int, default=0, help="every document this long (0: lognormal lengths)"
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--probe-max-tokens", type=int, default=0, help="bisect the longest single sequence")
+    parser.add_argument("--probe-start", type=int, default=16384)
+    parser.add_argument("--probe-step", type=int, default=8192)
+    parser.add_argument("--probe-seconds", type=float, default=240.0)
     parser.add_argument("--only", help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -17,8 +17,10 @@ checkpoint's weights are loaded into it, so none of the training-time changes (p
 kernels, checkpointing) reach the export. ``export=merged`` in the app does the same at the end
 of training through :class:`ExportMerged`, from the live weights.
 
-Quantized (NF4) bases are not exported yet: :func:`check_exportable` raises
-``NotImplementedError`` for them (the path will be dequantize, merge, save).
+A run with a 4-bit base (``precision.quantize`` = ``nf4``, ``nf4-dq`` or ``fp4``) is rebuilt
+quantised the same way so its checkpoint loads (a mismatch is a clear error), then every 4-bit
+weight (linear layers and MoE experts) is decoded as training decoded it, ``code[q] * absmax`` in
+float32, the LoRA delta is merged in float32, and the result is rounded once to ``--dtype``.
 """
 
 from __future__ import annotations
@@ -72,19 +74,28 @@ def load_run_config(run_dir: str | Path) -> DictConfig:
     return cfg
 
 
-def check_exportable(cfg: DictConfig) -> None:
-    """Raise ``NotImplementedError`` for a quantized (NF4) base: it must be dequantized before merging."""
+def run_quantization(cfg: DictConfig) -> str | None:
+    """The 4-bit format a run stored its base in (``precision.quantize``), or None."""
+    from lightning_sloth.quant.formats import check_quant_type
+
     quantize = OmegaConf.select(cfg, "precision.quantize", default=None)
     value = getattr(quantize, "value", quantize)
-    if value not in (None, False, "none", "off"):
-        raise NotImplementedError(
-            f"exporting a run with precision.quantize={value!r} (a quantized base) is not supported yet: "
-            "the base must be dequantized, merged with the adapter, then saved"
-        )
+    if value in (None, False, "none", "off"):
+        return None
+    return check_quant_type(value)
+
+
+def check_exportable(cfg: DictConfig) -> None:
+    """Raise a ``ValueError`` for a run whose base format cannot be rebuilt (an unknown ``quantize``)."""
+    run_quantization(cfg)
 
 
 def build_base(cfg: DictConfig):
-    """``(model, tokenizer)``: the run's unpatched base model, wrapped by PEFT when it trained LoRA."""
+    """``(model, tokenizer)``: the run's unpatched base model, wrapped by PEFT when it trained LoRA.
+
+    A 4-bit run's base is quantised as the run quantised it (``precision.quantize`` and
+    ``quantize_skip``, after the adapters are made), so its checkpoint loads.
+    """
     from lightning_sloth import build
 
     tokenizer = build.build_tokenizer(cfg.model)
@@ -94,13 +105,26 @@ def build_base(cfg: DictConfig):
         from peft import get_peft_model
 
         model = get_peft_model(model, lora.to_peft())
+    quantize = run_quantization(cfg)
+    if quantize is not None:
+        from lightning_sloth.quant import quantize_model
+
+        skip = OmegaConf.select(cfg, "precision.quantize_skip", default=["lm_head"])
+        quantize_model(model, quantize, tuple(skip))
     return model, tokenizer
 
 
 def load_checkpoint_weights(model: nn.Module, checkpoint: str | Path) -> None:
-    """Load the ``model.*`` weights of a ``CausalLMModule`` checkpoint into ``model`` (strict)."""
+    """Load the ``model.*`` weights of a ``CausalLMModule`` checkpoint into ``model`` (strict).
+
+    4-bit weights load into a model quantised the same way; any other combination is a
+    ``ValueError`` naming the mismatch.
+    """
+    from lightning_sloth.quant.linear import check_checkpoint_quantization
+
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    check_checkpoint_quantization(model, weights)
     model.load_state_dict(weights, strict=True)
 
 
@@ -115,11 +139,18 @@ def last_checkpoint(run_dir: str | Path) -> Path:
 
 
 def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None):
-    """``(model, tokenizer)``: the trained model of a run (PEFT-wrapped for LoRA), float32, eval mode."""
+    """``(model, tokenizer)``: the trained model of a run (PEFT-wrapped for LoRA), float32, eval mode.
+
+    A 4-bit base comes back dequantised (:func:`~lightning_sloth.quant.dequantize_model`): the
+    float32 weights training decoded, the adapter unmerged.
+    """
+    from lightning_sloth.quant import dequantize_model
+
     cfg = load_run_config(run_dir)
     check_exportable(cfg)
     model, tokenizer = build_base(cfg)
     load_checkpoint_weights(model, checkpoint or last_checkpoint(run_dir))
+    dequantize_model(model)
     return model.float().eval(), tokenizer
 
 
@@ -137,12 +168,20 @@ def save_merged(model: nn.Module, tokenizer, out: str | Path, dtype: str = "bflo
     """Merge a PEFT model's adapter (a plain model is saved as is), cast and ``save_pretrained``.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer.
-    ``model`` must be unpatched (see :func:`build_base`); it is merged in place.
+    ``model`` must be unpatched (see :func:`build_base`); it is merged in place. 4-bit base weights
+    are dequantised to float32 first and the merge runs in float32, so the only rounding to
+    ``dtype`` is the last one.
     """
     from transformers import GenerationConfig
 
+    from lightning_sloth.quant import dequantize_model
+
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+    if dequantize_model(model):
+        model.float()
+        _merge_bitsandbytes_wrappers(model)
+        _forget_quantization(model)
     merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
     merged = merged.to(getattr(torch, dtype))
     merged.config.use_cache = True
@@ -157,6 +196,36 @@ def save_merged(model: nn.Module, tokenizer, out: str | Path, dtype: str = "bflo
     merged.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@torch.no_grad()
+def _merge_bitsandbytes_wrappers(model: nn.Module) -> None:
+    """Merge PEFT's bitsandbytes LoRA layers (whose own merge re-quantises) into their dequantised base.
+
+    After :func:`~lightning_sloth.quant.dequantize_model` the base of such a wrapper is a float32
+    ``nn.Linear``: the active adapters' deltas are added to it in float32 and the wrapper gives way
+    to it, so ``merge_and_unload`` only sees plain layers.
+    """
+    wrappers = [
+        (n, m) for n, m in model.named_modules() if type(m).__module__.startswith("peft.tuners.lora.bnb")
+    ]
+    for name, module in wrappers:
+        base = module.get_base_layer()
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                base.weight += module.get_delta_weight(adapter).to(base.weight.dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, base)
+
+
+def _forget_quantization(model: nn.Module) -> None:
+    """Drop transformers' record of a bitsandbytes load: the dequantised model saves as a plain one."""
+    for module in model.modules():
+        if hasattr(module, "hf_quantizer"):
+            for attr in ("hf_quantizer", "quantization_method", "is_quantized", "is_loaded_in_4bit"):
+                module.__dict__.pop(attr, None)
+            module.config.__dict__.pop("quantization_config", None)
+            module.config.__dict__.pop("_is_quantized", None)
 
 
 def export_run(
@@ -205,12 +274,24 @@ class ExportMerged(Callback):
 
     @rank_zero_only
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_sloth.quant.linear import check_checkpoint_quantization
+
         live = pl_module.model
-        weights = {k: v.detach().to("cpu", torch.float32) for k, v in live.state_dict().items()}
+        weights = {k: _to_cpu_float32(v) for k, v in live.state_dict().items()}
         model, tokenizer = self.build_base()
+        check_checkpoint_quantization(model, weights)
         model.load_state_dict(weights, strict=True)
         save_merged(model, tokenizer, self.out, self.dtype)
         log.info("saved the merged model to %s", self.out)
+
+
+def _to_cpu_float32(value: Any) -> Any:
+    """A state-dict entry on the CPU, floating-point tensors in float32; 4-bit codes, the int32
+    bits of block scales and quantisation records (dicts) exactly as they are."""
+    if not torch.is_tensor(value):
+        return value
+    value = value.detach().to("cpu")
+    return value.float() if value.is_floating_point() else value
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -152,7 +152,140 @@ def test_run_directory_is_checked(tmp_path):
         export.load_trained(tmp_path)
 
 
-def test_quantized_bases_are_not_exported_yet():
-    with pytest.raises(NotImplementedError, match="quantize='nf4'"):
-        export.check_exportable(OmegaConf.create({"precision": {"quantize": "nf4"}}))
+# ------------------------------------------------------------------------------- 4-bit bases
+@pytest.fixture(scope="module")
+def nf4_run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export_nf4") / "run"
+    overrides = [
+        *SHORT_RUN,
+        "precision=qlora_nf4",
+        "export=merged",
+        "export_dtype=float32",
+        "trainer.samples=0",
+    ]
+    summary = run_app(out, overrides)
+    assert summary["steps"] == 3
+    return out
+
+
+def quantized_trained(run_dir: Path):
+    """The run's model as it trained: 4-bit base layers (our op) under the unmerged adapter."""
+    cfg = export.load_run_config(run_dir)
+    model, _ = export.build_base(cfg)
+    export.load_checkpoint_weights(model, export.last_checkpoint(run_dir))
+    return model.eval()
+
+
+def test_nf4_run_exports_merged_weights_with_the_4bit_models_logits(nf4_run_dir, tmp_path):
+    from lightning_sloth.quant import Linear4bit
+
+    cli(
+        "lightning-sloth-export", str(nf4_run_dir), "--dtype", "float32", "--out", str(tmp_path), cwd=tmp_path
+    )
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.dtype == torch.float32
+    assert all(type(m).__name__ != "Linear4bit" for m in merged.modules())
+
+    ours = quantized_trained(nf4_run_dir)
+    layers = ours.config.num_hidden_layers
+    assert sum(isinstance(m, Linear4bit) for m in ours.modules()) == 7 * layers  # lm_head kept
+    expected = logits_of(ours)  # float32: the base dequantised inside sloth::lora_linear_4bit
+    torch.testing.assert_close(
+        logits_of(merged), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
+    )
+    # The callback merged the live weights at the end of training: the same model.
+    from_callback = AutoModelForCausalLM.from_pretrained(nf4_run_dir / "merged")
+    torch.testing.assert_close(logits_of(from_callback), logits_of(merged), rtol=1e-6, atol=1e-6)
+    # The adapter moved the logits, and the merged weights are the decoded 4-bit ones plus it.
+    base = quantized_trained(nf4_run_dir)
+    with base.disable_adapter():
+        assert (logits_of(base) - expected).abs().max() > 1e-3
+    sixteen = AutoModelForCausalLM.from_pretrained(
+        export.export_run(nf4_run_dir, tmp_path / "bf16")["merged"]
+    )
+    assert sixteen.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        logits_of(sixteen), expected, rtol=0.05, atol=0.03 * float(expected.abs().max())
+    )
+
+
+def test_checkpoint_quantization_mismatch_is_named_by_the_export(nf4_run_dir):
+    cfg = export.load_run_config(nf4_run_dir)
+    cfg.precision.quantize = "fp4"
+    model, _ = export.build_base(cfg)
+    with pytest.raises(ValueError, match="4-bit layers do not match"):
+        export.load_checkpoint_weights(model, export.last_checkpoint(nf4_run_dir))
+    cfg.precision.quantize = "int3"
+    with pytest.raises(ValueError, match="unknown 4-bit quantisation 'int3'"):
+        export.check_exportable(cfg)
     export.check_exportable(OmegaConf.create({"precision": {"precision": "auto"}}))
+
+
+def _saved_logits(model, tmp_path, ids) -> torch.Tensor:
+    from lightning_sloth.data import build_char_tokenizer
+
+    export.save_merged(model, build_char_tokenizer(), tmp_path / "merged", "float32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any(n.endswith(("_absmax", "_code")) for n in loaded.state_dict())
+    return logits_of(loaded, ids)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4-dq", "fp4"])
+def test_save_merged_dequantises_every_format(quant_type, tmp_path):
+    from _models import add_lora, tiny_llama
+
+    from lightning_sloth.quant import quantize_model
+
+    model = add_lora(tiny_llama(vocab_size=128))
+    assert len(quantize_model(model, quant_type)) == 14
+    ids = [[5, 9, 17, 3, 99, 42, 7]]
+    expected = logits_of(model, ids)
+    torch.testing.assert_close(
+        _saved_logits(model, tmp_path, ids), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
+    )
+
+
+def test_save_merged_dequantises_4bit_moe_experts_with_lora(tmp_path):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from test_moe import EXPERT_LORA, VOCAB, tiny_moe
+
+    from lightning_sloth.moe.quant import expert_storage
+    from lightning_sloth.patching import apply_experts
+    from lightning_sloth.quant import quantize_model
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERT_LORA, init_lora_weights=False
+    )
+    model = get_peft_model(tiny_moe("qwen3_moe", experts=4), config).eval()
+    names = quantize_model(model, "nf4", skip=("lm_head", "self_attn"))
+    assert sum("experts" in n for n in names) == 4
+    ours = copy.deepcopy(model)
+    apply_experts(ours)  # 4-bit experts compute through the sloth experts only
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = logits_of(ours, ids)
+    got = _saved_logits(model, tmp_path, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    assert expert_storage(experts, "gate_up_proj") is None  # dequantised in place
+
+
+def test_save_merged_takes_a_bitsandbytes_loaded_model(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from _models import add_lora, tiny_llama
+    from transformers import BitsAndBytesConfig
+
+    tiny_llama(vocab_size=128).save_pretrained(tmp_path / "base")
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", quantization_config=quantization, device_map="cpu", dtype=torch.float32
+    )
+    model = add_lora(loaded)
+    ids = [[5, 9, 17, 3, 99, 42, 7]]
+    expected = logits_of(model, ids)  # bitsandbytes' own 4-bit forward
+    got = _saved_logits(model, tmp_path, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))

@@ -7,7 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sloth.ops.nf4 import _dequantize_op, _lora_4bit_op, dequantize_4bit, lora_linear_4bit
+from lightning_sloth.ops.nf4 import (
+    _dequantize_op,
+    _lora_4bit_op,
+    _matmul_op,
+    _matmul_t_op,
+    dequantize_4bit,
+    lora_linear_4bit,
+    matmul_4bit,
+)
 from lightning_sloth.quant import (
     Linear4bit,
     dequantize_4bit_reference,
@@ -141,6 +149,25 @@ def test_opcheck():
     x = torch.randn(5, 96, requires_grad=True)
     a, b = torch.randn(4, 96, requires_grad=True), torch.randn(20, 4, requires_grad=True)
     torch.library.opcheck(_lora_4bit_op, (x, q.packed, q.absmax, q.code, 64, a, b, 0.5))
+
+
+def test_matmul_4bit_matches_float64_reference_and_opcheck():
+    """The fused product's op: its CPU reference, fake and autograd (``dy @ W``, the storage frozen)."""
+    torch.manual_seed(0)
+    q = quantize_4bit(torch.randn(45, 70), "nf4-dq")
+    w = dequantize_4bit_reference(q, torch.float64)
+    absmax = q.block_absmax()
+    x = torch.randn(3, 7, 70, requires_grad=True)
+    y = matmul_4bit(x, q.packed, absmax, q.code, 64, 45)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    torch.testing.assert_close(y.double(), x.detach().double() @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), grad.double() @ w, rtol=1e-5, atol=1e-5)
+    rows = torch.randn(5, 70, requires_grad=True)
+    torch.library.opcheck(_matmul_op, (rows, q.packed, absmax, q.code, 64, 45))
+    torch.library.opcheck(_matmul_t_op, (torch.randn(5, 45), q.packed, absmax, q.code, 64, 70))
+    with pytest.raises(ValueError, match="does not fit"):
+        matmul_4bit(x, q.packed, absmax, q.code, 64, 44)
 
 
 def test_op_errors_name_the_problem():

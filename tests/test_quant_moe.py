@@ -227,3 +227,28 @@ def test_lora_made_on_4bit_experts_is_a_clear_error():
     apply_experts(model)
     with pytest.raises(ValueError, match="apply the adapters before quantising"):
         model(input_ids=torch.randint(0, VOCAB, (1, 5)))
+
+
+def test_checkpoint_with_other_4bit_experts_is_a_clear_error():
+    """Only the expert weights are in 4 bits here (no Linear4bit record in the checkpoint): nf4 against
+    fp4 has the same shapes and dtypes and would load silently without the check."""
+    from lightning_sloth.quant.linear import check_checkpoint_quantization
+
+    skip = ("lm_head", "self_attn", "gate")
+
+    def model(quant_type):
+        built = tiny_moe("qwen3_moe", experts=4)
+        if quant_type is not None:
+            assert all("experts" in n for n in quantize_model(built, quant_type, skip=skip))
+        return built
+
+    saved = model("nf4").state_dict()
+    check_checkpoint_quantization(model("nf4"), saved)
+    for other in ("fp4", "nf4-dq"):
+        with pytest.raises(ValueError, match=rf"do not match.*'{other}'"):
+            check_checkpoint_quantization(model(other), saved)
+    with pytest.raises(ValueError, match="stores 4 weights in 4 bits.*but the model has none"):
+        check_checkpoint_quantization(model(None), saved)
+    with pytest.raises(ValueError, match="written without quantisation"):
+        check_checkpoint_quantization(model("fp4"), model(None).state_dict())
+    check_checkpoint_quantization(model("nf4-dq"), model("nf4-dq").state_dict())

@@ -19,6 +19,7 @@ Saved for the backward: the input, ``x A^T`` and the 4-bit storage, never a dequ
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,14 +33,29 @@ from lightning_sloth.moe.gemm import (
 )
 from lightning_sloth.ops._registry import call, register_autograd, register_flops, sloth_op
 from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
-from lightning_sloth.quant.formats import Packed4bit, check_quant_type, quantize_4bit
+from lightning_sloth.quant.formats import (
+    Packed4bit,
+    check_quant_type,
+    code_book,
+    dequantize_4bit_reference,
+    quantize_4bit,
+)
 
-__all__ = ["EXPERT_WEIGHTS", "expert_storage", "lora_grouped_mm_4bit", "quantize_experts"]
+__all__ = [
+    "EXPERT_WEIGHTS",
+    "dequantize_experts",
+    "expert_formats",
+    "expert_storage",
+    "lora_grouped_mm_4bit",
+    "model_expert_formats",
+    "quantize_experts",
+]
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The 3-D expert parameters stored in 4 bits."""
 
 _RECORD = "_sloth_4bit_experts"
+_HOOK = "_sloth_4bit_hook"
 _PARTS = ("absmax", "code", "nested_absmax", "nested_code", "offset")
 
 
@@ -82,10 +98,67 @@ def quantize_experts(
         record[name] = storage
         del weight, param
         done.append(name)
-    if done and not experts.__dict__.get("_sloth_4bit_hook"):
-        experts.register_forward_pre_hook(_require_sloth_experts)
-        experts._sloth_4bit_hook = True
+    if done and _HOOK not in experts.__dict__:
+        experts.__dict__[_HOOK] = experts.register_forward_pre_hook(_require_sloth_experts)
     return done
+
+
+@torch.no_grad()
+def dequantize_experts(experts: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Undo :func:`quantize_experts` in place: each 4-bit expert weight becomes a dense frozen parameter.
+
+    The weight is decoded as training decoded it (``code[q] * absmax`` in float32, rounded once to
+    ``dtype``); the scale buffers and the guard on the forward go. Used to merge and export.
+
+    Returns:
+        The parameter names converted.
+    """
+    record = experts.__dict__.get(_RECORD, {})
+    done = []
+    for name in list(record):
+        dense = dequantize_4bit_reference(expert_storage(experts, name), dtype)
+        for part in _PARTS:
+            if f"{name}_{part}" in experts._buffers:
+                delattr(experts, f"{name}_{part}")
+        delattr(experts, name)
+        experts.register_parameter(name, nn.Parameter(dense, requires_grad=False))
+        del record[name]
+        done.append(name)
+    handle = experts.__dict__.pop(_HOOK, None)
+    if handle is not None and not record:
+        handle.remove()
+    return done
+
+
+def expert_formats(state_dict: dict[str, Any]) -> dict[str, str]:
+    """``{"<experts>.<weight>": quant_type}`` of the 4-bit expert weights a state dict stores.
+
+    The format is read from the tensors themselves: the ``uint8`` weight beside its ``_absmax``,
+    ``nf4-dq`` when the nested scales are there, else ``fp4`` or ``nf4`` by the code book.
+    """
+    fp4 = code_book("fp4")
+    found = {}
+    for key, value in state_dict.items():
+        if not key.endswith(tuple(f".{w}" for w in EXPERT_WEIGHTS)):
+            continue
+        if not torch.is_tensor(value) or value.dtype != torch.uint8 or f"{key}_absmax" not in state_dict:
+            continue
+        if f"{key}_nested_absmax" in state_dict:
+            found[key] = "nf4-dq"
+            continue
+        code = state_dict.get(f"{key}_code")
+        is_fp4 = code is not None and torch.equal(code.reshape(-1).view(torch.float32).cpu(), fp4)
+        found[key] = "fp4" if is_fp4 else "nf4"
+    return found
+
+
+def model_expert_formats(model: nn.Module) -> dict[str, str]:
+    """``{"<experts>.<weight>": quant_type}`` of the expert weights ``model`` stores in 4 bits."""
+    return {
+        f"{name}.{weight}" if name else weight: storage.quant_type
+        for name, module in model.named_modules()
+        for weight, storage in module.__dict__.get(_RECORD, {}).items()
+    }
 
 
 def _require_sloth_experts(experts: nn.Module, args) -> None:

@@ -1,4 +1,5 @@
-"""4-bit base weights as ops: ``sloth::dequantize_4bit`` and the LoRA layer ``sloth::lora_linear_4bit``.
+"""4-bit base weights as ops: ``sloth::dequantize_4bit``, the fused products ``sloth::matmul_4bit`` /
+``sloth::matmul_4bit_t`` and the LoRA layer ``sloth::lora_linear_4bit``.
 
 The 4-bit weight (NF4/FP4 codes, two per byte, float32 block scales: the bitsandbytes layout, see
 ``lightning_sloth.quant.formats``) is frozen. The LoRA layer dequantises it into a scratch buffer
@@ -13,6 +14,22 @@ that is reused by every call of the same shape, dtype and device, then runs the 
 Saved for the backward: ``x``, ``xa`` and the 4-bit storage (a few bytes per weight), never a
 dequantised weight. A base layer without adapters is the rank-0 case (``A [0, in]``, ``B [out, 0]``).
 While anything traces, the scratch is a fresh tensor (a graph must not capture module state).
+
+Two ways to run the base product ``x W^T`` (and ``dy W`` in the backward), chosen per call by the
+number of rows (tokens):
+
+- buffer: dequantise the whole weight into the scratch, then cuBLAS. The dequantisation costs a
+  fixed ``2.5 * N * K`` bytes of traffic, small beside a GEMM over many rows;
+- fused (``lightning_sloth.kernels.nf4_gemm``): a Triton GEMM that decodes the 4-bit codes inside
+  its operand load and never writes the weight out; it reads ``N * K / 2`` bytes, which could pay
+  where the product is bound by reading the weight (decoding, short steps), never once the rows
+  make it compute bound (cuBLAS's tensor-core pipeline is far ahead there).
+
+:data:`FUSED_MAX_ROWS` is the crossover measured on the H100 (``benchmarks/nf4_gemm_bench.py``,
+``benchmarks/results/nf4_gemm_h100.json``): the fused kernel runs for at most that many rows, on
+CUDA, with an even ``in_features``. The measurement found no crossover: the fused kernels as they
+are lost at every token count from 16 to 16,384 on the four Llama-3.1-8B projection shapes, so it
+is 0 and the buffer path always runs.
 """
 
 from __future__ import annotations
@@ -34,8 +51,18 @@ from lightning_sloth.ops._registry import (
 
 if TRITON_OPS:
     from lightning_sloth.kernels import nf4 as _kernels
+    from lightning_sloth.kernels import nf4_gemm as _gemm_kernels
 
-__all__ = ["dequantize_4bit", "dequantize_4bit_into", "lora_linear_4bit"]
+__all__ = ["FUSED_MAX_ROWS", "dequantize_4bit", "dequantize_4bit_into", "lora_linear_4bit", "matmul_4bit"]
+
+FUSED_MAX_ROWS = 0
+"""Rows (tokens) up to which the 4-bit base product decodes inside the GEMM instead of a buffer +
+cuBLAS: 0, measured (the fused kernels never won; see the module notes)."""
+
+
+def use_fused(x: Tensor, rows: int, in_features: int) -> bool:
+    """Whether the base product of ``rows`` rows runs the fused decode-in-GEMM kernel (see the module notes)."""
+    return use_triton(x) and in_features % 2 == 0 and 0 < rows <= FUSED_MAX_ROWS
 
 
 def dequantize_4bit_into(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out: Tensor) -> Tensor:
@@ -125,6 +152,82 @@ def _check_storage(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int,
         )
 
 
+# ------------------------------------------------------------------- fused decode-in-GEMM products
+@sloth_op("matmul_4bit")
+def _matmul_op(x: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, n: int) -> Tensor:
+    """``x [M, K] @ W^T`` for the 4-bit ``W [n, K]``: Triton decodes W in the load on CUDA."""
+    if use_triton(x) and x.shape[1] % 2 == 0:
+        return _gemm_kernels.matmul_4bit(x.contiguous(), packed, absmax, code, blocksize, n)
+    weight = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
+    return x @ dequantize_4bit_into(packed, absmax, code, blocksize, weight).t()
+
+
+@_matmul_op.register_fake
+def _matmul_fake(x, packed, absmax, code, blocksize, n):
+    return x.new_empty((x.shape[0], n))
+
+
+@sloth_op("matmul_4bit_t")
+def _matmul_t_op(dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, k: int) -> Tensor:
+    """``dy [M, N] @ W`` for the 4-bit ``W [N, k]``."""
+    if use_triton(dy) and k % 2 == 0:
+        return _gemm_kernels.matmul_4bit_t(dy.contiguous(), packed, absmax, code, blocksize, k)
+    weight = torch.empty(dy.shape[1], k, dtype=dy.dtype, device=dy.device)
+    return dy @ dequantize_4bit_into(packed, absmax, code, blocksize, weight)
+
+
+@_matmul_t_op.register_fake
+def _matmul_t_fake(dy, packed, absmax, code, blocksize, k):
+    return dy.new_empty((dy.shape[0], k))
+
+
+def _matmul_setup(ctx, inputs, output):
+    x, packed, absmax, code, blocksize, n = inputs
+    ctx.save_for_backward(packed, absmax, code)
+    ctx.blocksize, ctx.k = blocksize, x.shape[1]
+
+
+def _matmul_backward(ctx, grad_y):
+    packed, absmax, code = ctx.saved_tensors
+    if any(ctx.needs_input_grad[1:4]):
+        raise RuntimeError("sloth::matmul_4bit: the 4-bit weight is frozen; it has no gradient")
+    dx = call(_matmul_t_op, grad_y.contiguous(), packed, absmax, code, ctx.blocksize, ctx.k)
+    return dx, None, None, None, None, None
+
+
+register_autograd(_matmul_op, _matmul_backward, _matmul_setup)
+register_flops(
+    _matmul_op,
+    lambda x, packed, absmax, code, blocksize, n, out_shape=None: 2 * x[0] * x[1] * n + x[1] * n,
+)
+register_flops(
+    _matmul_t_op,
+    lambda dy, packed, absmax, code, blocksize, k, out_shape=None: 2 * dy[0] * dy[1] * k + dy[1] * k,
+)
+
+
+def matmul_4bit(
+    x: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out_features: int
+) -> Tensor:
+    """``x @ W.T`` with the 4-bit ``W [out_features, in]`` decoded inside the GEMM (never materialised).
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32; the product runs in its dtype, float32 accumulation.
+        packed, absmax, code, blocksize: ``W``'s storage (float32 block scales; see :func:`dequantize_4bit`).
+        out_features: rows of ``W``.
+
+    Returns:
+        ``[..., out_features]`` in x's dtype; the gradient flows to x (``dy @ W``, decoded the same way).
+        On CUDA with an even ``in`` it runs the fused Triton kernels; elsewhere dequantise + matmul.
+    """
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"matmul_4bit computes in float16/bfloat16/float32, got x of dtype {x.dtype}")
+    _check_storage(packed, absmax, code, blocksize, out_features * x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    y = call(_matmul_op, rows, packed, absmax, code, int(blocksize), int(out_features))
+    return y.view(*x.shape[:-1], out_features)
+
+
 # --------------------------------------------------------------------------------------- LoRA
 @sloth_op("lora_linear_4bit")
 def _lora_4bit_op(
@@ -139,12 +242,15 @@ def _lora_4bit_op(
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(y [..., out], xa [N, r])``; ``xa`` is kept for the backward."""
     out_features, in_features = lora_b.shape[0], x.shape[-1]
-    weight = dequantize_4bit_into(
-        packed, absmax, code, blocksize, _scratch(out_features, in_features, x.dtype, x.device)
-    )
     rows = x.reshape(-1, in_features)
     xa = rows @ lora_a.t()
-    y = torch.mm(rows, weight.t())
+    if use_fused(x, rows.shape[0], in_features):
+        y = _gemm_kernels.matmul_4bit(rows.contiguous(), packed, absmax, code, blocksize, out_features)
+    else:
+        weight = dequantize_4bit_into(
+            packed, absmax, code, blocksize, _scratch(out_features, in_features, x.dtype, x.device)
+        )
+        y = torch.mm(rows, weight.t())
     if lora_a.shape[0]:
         y.addmm_(xa, lora_b.t(), alpha=scale)
     return y.view(*x.shape[:-1], out_features), xa
@@ -177,9 +283,12 @@ def _lora_4bit_backward_op(
     rows = x.reshape(-1, x.shape[-1])
     g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
     dx = x.new_empty(0)
-    if grad_x:
+    if grad_x and use_fused(x, dy.shape[0], x.shape[-1]):
+        dx = _gemm_kernels.matmul_4bit_t(dy.contiguous(), packed, absmax, code, blocksize, x.shape[-1])
+    elif grad_x:
         weight = _scratch(lora_b.shape[0], x.shape[-1], x.dtype, x.device)
         dx = torch.mm(dy, dequantize_4bit_into(packed, absmax, code, blocksize, weight))
+    if grad_x:
         if lora_a.shape[0]:
             dx.addmm_(g, lora_a)
         dx = dx.view(x.shape)

@@ -5,7 +5,8 @@ room holds what sits behind it:
 
 - :mod:`~lightning_sloth.quant.formats`: NF4 / NF4-DQ / FP4 storage in the bitsandbytes layout,
   quantise and dequantise in plain torch, conversion to and from bitsandbytes' ``QuantState``;
-- :mod:`~lightning_sloth.quant.linear`: :class:`Linear4bit` and :func:`quantize_model` (in place);
+- :mod:`~lightning_sloth.quant.linear`: :class:`Linear4bit`, :func:`quantize_model` and its inverse
+  :func:`dequantize_model` (in place; merging and export);
 - :mod:`~lightning_sloth.quant.lora`: the PEFT LoRA forward over a 4-bit base (``sloth::lora_linear_4bit``);
 - :mod:`~lightning_sloth.quant.loading`: build a model on the meta device and fill it shard by
   shard, quantising each weight as it arrives.
@@ -21,7 +22,7 @@ from lightning_sloth.quant.formats import (
     quantize_4bit,
     to_bnb,
 )
-from lightning_sloth.quant.linear import Linear4bit, four_bit_storage, quantize_model
+from lightning_sloth.quant.linear import Linear4bit, dequantize_model, four_bit_storage, quantize_model
 from lightning_sloth.quant.loading import load_quantized, random_quantized
 from lightning_sloth.quant.lora import lora_4bit_forward
 
@@ -30,6 +31,7 @@ __all__ = [
     "Linear4bit",
     "Packed4bit",
     "dequantize_4bit_reference",
+    "dequantize_model",
     "four_bit_storage",
     "from_bnb",
     "load_quantized",

@@ -73,8 +73,9 @@ def _code_book_cpu(name: str) -> Tensor:
 
 
 def code_book(quant_type: str, device: torch.device | str = "cpu") -> Tensor:
-    """The float32 ``[16]`` code book of ``quant_type`` on ``device``."""
-    return _code_book_cpu(base_format(quant_type)).to(device)
+    """The float32 ``[16]`` code book of ``quant_type`` on ``device`` (a fresh tensor: a layer's copy
+    is loaded into in place, which must never reach the shared one)."""
+    return _code_book_cpu(base_format(quant_type)).to(device, copy=True)
 
 
 @functools.cache
@@ -215,7 +216,7 @@ def quantize_4bit(weight: Tensor, quant_type: str = "nf4", blocksize: int = BLOC
 
 def _double_quantize(q: Packed4bit) -> Packed4bit:
     offset = q.absmax.mean()
-    nested_code = dynamic_code().to(q.absmax.device)
+    nested_code = dynamic_code().to(q.absmax.device, copy=True)
     scaled, nested_absmax = _blockwise(q.absmax - offset, NESTED_BLOCKSIZE)
     codes = _nearest(scaled, nested_code).to(torch.uint8)
     return replace(q, absmax=codes, nested_absmax=nested_absmax, nested_code=nested_code, offset=offset)

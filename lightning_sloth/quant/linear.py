@@ -19,7 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sloth.ops.nf4 import lora_linear_4bit
-from lightning_sloth.quant.formats import Packed4bit, check_quant_type, from_bnb, quantize_4bit, to_bnb
+from lightning_sloth.quant.formats import (
+    Packed4bit,
+    check_quant_type,
+    dequantize_4bit_reference,
+    from_bnb,
+    quantize_4bit,
+    to_bnb,
+)
 
 _FLOAT_PARTS = ("code", "nested_absmax", "nested_code", "offset")
 
@@ -288,29 +295,35 @@ def _is_adapter(name: str) -> bool:
 
 
 def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) -> None:
-    """Raise a ``ValueError`` if ``state_dict`` stores layers in 4 bits that ``model`` does not, or the reverse.
+    """Raise a ``ValueError`` if ``state_dict`` stores weights in 4 bits that ``model`` does not, or the reverse.
 
-    Compares the quantisation records (``<layer>._extra_state``) of the checkpoint with the
-    :class:`Linear4bit` layers of ``model``; a checkpoint written by a run with another
-    ``quantize`` setting would otherwise fail with a list of shape mismatches.
+    Compares the checkpoint's 4-bit linear layers (their quantisation records,
+    ``<layer>._extra_state``) and 4-bit MoE expert weights (``uint8`` beside ``<weight>_absmax``)
+    with the :class:`Linear4bit` layers and 4-bit experts of ``model``, format included; a
+    checkpoint written by a run with another ``quantize`` setting would otherwise fail with a list
+    of shape mismatches, or (same shapes, e.g. nf4 against fp4 experts) load silently.
     """
+    from lightning_sloth.moe.quant import expert_formats, model_expert_formats
+
     saved = {
         key.removesuffix("._extra_state"): value["quant_type"]
         for key, value in state_dict.items()
         if key.endswith("._extra_state") and isinstance(value, dict) and "quant_type" in value
     }
+    saved |= expert_formats(state_dict)
     mine = {name: m.quant_type for name, m in model.named_modules() if isinstance(m, Linear4bit)}
+    mine |= model_expert_formats(model)
     if saved == mine:
         return
     if not mine:
         raise ValueError(
-            f"the checkpoint stores {len(saved)} layers in 4 bits ({sorted(set(saved.values()))}, e.g. "
+            f"the checkpoint stores {len(saved)} weights in 4 bits ({sorted(set(saved.values()))}, e.g. "
             f"{next(iter(saved))}) but the model has none: resume with the same quantize setting "
             "(SlothPrecision(quantize=...), precision.quantize)"
         )
     if not saved:
         raise ValueError(
-            f"the model stores {len(mine)} layers in 4 bits ({sorted(set(mine.values()))}) but the checkpoint "
+            f"the model stores {len(mine)} weights in 4 bits ({sorted(set(mine.values()))}) but the checkpoint "
             "has none: it was written without quantisation; resume without quantize, or load its weights "
             "into an unquantised model and quantise after loading"
         )
@@ -319,3 +332,38 @@ def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) 
         f"the checkpoint's 4-bit layers do not match the model's: {len(differ)} differ, e.g. {differ[:2]} "
         f"(checkpoint {sorted(set(saved.values()))}, model {sorted(set(mine.values()))})"
     )
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Undo the 4-bit storage of ``model`` in place: dense frozen weights for merging and export.
+
+    Every :class:`Linear4bit` and bitsandbytes ``Linear4bit`` becomes an ``nn.Linear`` and every
+    4-bit MoE expert weight a dense 3-D parameter. Weights are decoded exactly as training decoded
+    them, ``code[q] * absmax`` in float32 (double-quantised scales first), then rounded once to
+    ``dtype``: in float32 that is the exact value whose rounding the 16-bit compute used. PEFT
+    wrappers stay around the new layers, so ``merge_and_unload`` then merges LoRA into them.
+
+    Returns:
+        The qualified names converted (experts as ``<module>.<weight>``); empty for a dense model.
+    """
+    from lightning_sloth.moe.quant import dequantize_experts
+
+    converted: list[str] = []
+    for name in [name for name, _ in model.named_modules()]:
+        module = model.get_submodule(name)
+        converted += [f"{name}.{w}" for w in dequantize_experts(module, dtype)]
+        # A PEFT wrapper shows its base's weight as its own: only the base layer itself is replaced.
+        storage = four_bit_storage(module) if name and not hasattr(module, "base_layer") else None
+        if storage is None:
+            continue
+        linear = nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
+        linear.weight = nn.Parameter(dequantize_4bit_reference(storage, dtype), requires_grad=False)
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+        converted.append(name)
+    return converted
