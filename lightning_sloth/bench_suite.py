@@ -515,6 +515,7 @@ def run_suite(cfg) -> dict:
     report = {"environment": env, "scenario": scenario, "workload": asdict(workload), "results": []}
     for name in names:
         task = {"kind": "system", "system": name, "scenario": scenario}
+        begin = time.perf_counter()
         if cfg["isolate"]:
             preamble = resolve(name).preamble
             record = {"system": name, "label": resolve(name).label} | _in_fresh_process(
@@ -522,6 +523,7 @@ def run_suite(cfg) -> dict:
             )
         else:
             record = measure(name, scenario)
+        record["wall_s"] = time.perf_counter() - begin  # the whole system: process, build, every step
         add_mfu(record, env)
         report["results"].append(record)
         out.write_text(json.dumps(report, indent=2) + "\n")
