@@ -203,7 +203,7 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     model = system.setup(workload)
     model.train()
     setup_s = time.perf_counter() - start
-    n_params = flop_parameters(model)
+    n_params = flop_parameters(model) - bench._inactive_expert_parameters(model)  # MoE: active only
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     times, tokens, flops, losses, stats = [], [], [], [], {}
