@@ -229,3 +229,10 @@ def test_every_scenario_config_composes_to_its_model(name, tmp_path):
             True,
         )
     assert list(cfg.systems.names)  # the default system set
+
+
+def test_unknown_block_kind_is_named(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"environment": {}, "results": []}))
+    text = "<!-- bench:x kind=pie -->\n<!-- /bench:x -->\n"
+    with pytest.raises(ValueError, match="unknown kind 'pie'"):
+        bench_report.update_readme(text, tmp_path, tmp_path)
