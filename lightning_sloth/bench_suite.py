@@ -13,7 +13,7 @@ then one JSON, ``<out_dir>/bench_<scenario>_<device>.json``, rewritten after eve
      "scenario": the composed config, "workload": the workload every system trained,
      "results": [one record per system: status, real tokens/s (median, min, max, per step), peak
                  allocated/reserved, MFU (measured and datasheet), first/last loss, LoRA gradient
-                 norms (A and B)]}
+                 norms (A and B), the system's wall time (process start to last step)]}
 
 The guard: a system whose loss is not finite, or whose trainable gradients are all zero or not
 finite, gets ``status: "failed"`` and a reason; the report never shows it as fast.

@@ -24,6 +24,13 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
+    hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
+                                     same NF4 weights (``prepare_model_for_kbit_training``), padded
+                                     micro-batches / packed rows with its SDPA.
+    sloth_nf4 / sloth_nf4_offload    lightning_sloth on NF4 base weights built layer by layer in 4
+                                     bits (``transform_model(kernels=True)``, + offload).
+On a MoE shape (``SHAPE_FAMILIES``) the transformers systems keep transformers' own experts
+(``grouped_mm``) and PEFT's ``target_parameters`` LoRA on them.
 """
 
 from __future__ import annotations
