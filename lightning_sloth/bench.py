@@ -228,12 +228,12 @@ def build_base_model(workload: Workload, attn: str):
         return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
 
 
-def build_model(workload: Workload, attn: str, checkpointing: bool = True):
+def build_model(workload: Workload, attn: str, checkpointing: bool = True, base=None):
     """A random-weight model of the workload's shape in bf16, with PEFT LoRA on all projections (a MoE
-    shape: attention and experts)."""
+    shape: attention and experts); ``base`` (e.g. a 4-bit model) instead of a fresh bf16 one."""
     from peft import LoraConfig, get_peft_model
 
-    model = build_base_model(workload, attn)
+    model = build_base_model(workload, attn) if base is None else base
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     moe = SHAPE_FAMILIES.get(workload.shape) in MOE_FAMILIES
     lora = LoraConfig(

@@ -9,6 +9,8 @@ A README block is everything between two markers; its content is generated, neve
     ...
     <!-- /bench:NAME -->
 
+``kind`` picks the renderer: ``suite`` (default: files of the suite and of the argparse harness),
+``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``moe_layer``, ``kernels``, ``offload``.
 ``sources`` (default ``NAME.json``) are read in order; a system measured in several keeps the last
 file's record, in the place it first appeared. ``baseline`` adds a column with each system's
 throughput relative to that system. A block of suite files (with a ``scenario``) gets a plot,
@@ -36,6 +38,8 @@ EXTRA_LABELS = {
     "sloth_kernels_compile": "lightning_sloth + regional compile",
     "sloth_kernels_planned": 'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")',
     "sloth_kernels_no_checkpointing": "lightning_sloth kernels, no checkpointing at all",
+    "sloth_bf16": "lightning_sloth, bf16 base weights (kernels=True)",
+    "hf_packed_flex": "transformers + PEFT, packed rows, its FlexAttention",
 }
 DASH = "—"
 
@@ -200,8 +204,16 @@ def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
     def block(match: re.Match) -> str:
         name, params, sources = _block_sources(match)
         reports = _load(results_dir, name, sources)
-        body = render_table(reports, sources, params.get("baseline"))
-        if all("scenario" in r for r in reports):
+        kind = params.get("kind", "suite")
+        if kind == "suite":
+            body = render_table(reports, sources, params.get("baseline"))
+        elif kind in RENDERERS:
+            body = RENDERERS[kind](reports, sources, params)
+        else:
+            raise ValueError(
+                f"README block {name!r}: unknown kind {kind!r}; choose from {['suite', *RENDERERS]}"
+            )
+        if kind == "suite" and all("scenario" in r for r in reports):
             png = results_dir / f"{name}.png"
             title = reports[0]["scenario"].get("title", name)
             body += f"\n![{title}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
@@ -217,7 +229,10 @@ def plots(text: str, results_dir: Path) -> list[Path]:
     for match in MARKER.finditer(text):
         name, _, sources = _block_sources(match)
         reports = _load(results_dir, name, sources)
-        if all("scenario" in r for r in reports):
+        if (
+            all("scenario" in r for r in reports)
+            and _params(match.group("params")).get("kind", "suite") == "suite"
+        ):
             plot(merged_report(reports), results_dir / f"{name}.png")
             written.append(results_dir / f"{name}.png")
             used.update(sources)
@@ -307,3 +322,232 @@ def main(argv: list[str] | None = None) -> int:
         for path in plots(new, results):
             print(f"plot {path}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Renderers of the other result files (``kind=`` in a block's marker). Each takes the loaded files
+# and their names and returns the block's markdown; the numbers are the files', never retyped.
+
+
+def _env_caption(reports: list[dict], sources: list[str], steps: str = "") -> str:
+    env = reports[-1].get("environment", {})
+    parts = [env.get("device", "?")]
+    for key in ("torch", "triton", "transformers", "peft", "liger_kernel", "bitsandbytes"):
+        if env.get(key):
+            parts.append(f"{key.replace('_', '-')} {env[key]}")
+    files = ", ".join(f"`{s}`" for s in sources)
+    return f"Generated from {files}: {', '.join(parts)}{'; ' + steps if steps else ''}."
+
+
+def _steps_of(record: dict, report: dict) -> tuple | None:
+    work = record.get("workload") or report.get("workload") or {}
+    if "timed_steps" not in work and "timed_steps" not in record:
+        return None
+    return work.get("warmup_steps"), record.get("timed_steps", work.get("timed_steps"))
+
+
+def render_compact(reports: list[dict], sources: list[str], params: dict) -> str:
+    """Records of the argparse harnesses (end-to-end MoE, QLoRA): one row per system with real
+    tokens/s, median step, peak allocated, MFU (recounted where the file has it), loss, grad norm."""
+    rows, steps = [], []
+    for report in reports:
+        for record in report["results"]:
+            rows.append(record)
+            pair = _steps_of(record, report)
+            if pair and pair not in steps:
+                steps.append(pair)
+    header = ["system", "real tokens/s", "step", "peak allocated", "MFU", "loss first → last", "grad norm"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for r in rows:
+        label = _cell(system_label(r))
+        if status(r) != "ok" or tokens_per_s(r) is None:
+            reason = r.get("reason") or r.get("error") or ""
+            lines.append(f"| {label} | **{status(r)}**: {_cell(reason[:120])} |" + f" {DASH} |" * 5)
+            continue
+        mfu = r.get("mfu_recounted", r.get("mfu_datasheet", r.get("mfu")))
+        norm = r.get("trainable_grad_norm", r.get("grad_norm"))
+        lines.append(
+            f"| {label} | {tokens_per_s(r):,.0f} | {_num(r.get('median_step_s'), '.2f')} s | "
+            f"{_num(r.get('peak_allocated_gib'), '.2f')} GiB | {_pct(mfu)} | "
+            f"{_num(r.get('first_loss'), '.3f')} → {_num(r.get('last_loss'), '.3f')} | {_num(norm, '#.3g')} |"
+        )
+    text = ", ".join(f"{w} warm-up + {t} timed" for w, t in steps)
+    caption = _env_caption(reports, sources, f"{text} steps, median" if text else "")
+    return caption + "\n\n" + "\n".join(lines) + "\n"
+
+
+def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
+    """Multi-GPU runs (``benchmarks/fsdp_bench.py``): per run tokens/s per GPU, with the scaling
+    against the one-GPU run of the same shape and LoRA setting where there is one."""
+    runs = [run for report in reports for run in report["runs"]]
+    single = {
+        (r["shape"], r["lora"]): r["tokens_per_s_per_gpu"]
+        for r in runs
+        if r.get("world") == 1 and "tokens_per_s_per_gpu" in r
+    }
+    header = [
+        "shape",
+        "LoRA",
+        "system",
+        "GPUs",
+        "tokens/s per GPU",
+        "step",
+        "peak allocated (reserved) per GPU",
+    ]
+    header += ["MFU", "loss first → last", "grad norm", "steps"]
+    lines = ["| " + " | ".join(header) + " |", "| --- | --- | --- |" + " ---: |" * (len(header) - 3)]
+    for r in runs:
+        head = f"| {r['shape']} | {'r=16' if r.get('lora') else 'full'} | `{r['system']}` | {r.get('gpus', r.get('world'))} |"
+        if "tokens_per_s_per_gpu" not in r:
+            first = r.get("error", "").split(". ")[0]  # the first sentence of the error
+            lines.append(head + f" **error**: {_cell(first[:200])} |" + f" {DASH} |" * 6)
+            continue
+        tps = f"{r['tokens_per_s_per_gpu']:,.0f}"
+        base = single.get((r["shape"], r.get("lora")))
+        if base and r.get("world", 1) > 1:
+            tps += f" ({r['tokens_per_s_per_gpu'] / base:.1%} scaling)"
+        lines.append(
+            head + f" {tps} | {r['median_step_s']:.3f} s | {r['peak_allocated_gib']:.2f} GiB "
+            f"({r['peak_reserved_gib']:.1f}) | {_pct(r.get('mfu'))} | {r['first_loss']:.3f} → "
+            f"{r['last_loss']:.3f} | {r['grad_norm_last_step']:.4g} | {r.get('warmup_steps')} + {r['timed_steps']} |"
+        )
+    return _env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
+
+
+MOE_SHAPE_NAMES = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "gpt_oss_20b": "GPT-OSS-20B"}
+
+
+def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> str:
+    """One MoE layer (``benchmarks/moe_bench.py``): median ms and peak over the layer's inputs per
+    experts implementation, with the speed-up and the memory ratio against ``grouped_mm``."""
+    header = ["shape, experts", "transformers `eager`", "transformers `grouped_mm`", "lightning_sloth"]
+    header += ["speed-up vs `grouped_mm`", "peak vs `grouped_mm`"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for report in reports:
+        for case, result in report["results"].items():
+            shape, mode = case.split("/")
+            cfg = report["shapes"][shape]
+            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            inter = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
+            name = MOE_SHAPE_NAMES.get(shape, shape)
+            label = f"{name} ({cfg['hidden_size']}, {experts} × {inter}, top-{cfg['num_experts_per_tok']}), "
+            label += "LoRA on experts" if mode == "lora" else mode
+            cells = []
+            for impl in ("eager", "grouped_mm", "sloth"):
+                m = result.get(impl)
+                cells.append(f"{m['median_ms']:.1f} ms / {m['peak_over_base_gib']:.2f} GiB" if m else DASH)
+            cells[-1] = f"**{cells[-1]}**"
+            speed, memory = result.get("speedup_vs_grouped_mm"), result.get("memory_ratio_vs_grouped_mm")
+            lines.append(
+                f"| {label} | " + " | ".join(cells) + f" | {_num(speed, '.2f')}× | {_num(memory, '.2f')} |"
+            )
+    tokens = reports[-1].get("tokens")
+    return (
+        _env_caption(reports, sources, f"{tokens:,} tokens" if tokens else "")
+        + "\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+KERNEL_NAMES = {
+    "rms_norm": "RMSNorm",
+    "rope": "RoPE",
+    "swiglu": "SwiGLU",
+    "geglu": "GeGLU",
+    "lora_linear": "LoRA linear",
+    "linear_cross_entropy": "linear cross-entropy",
+}
+KERNEL_IMPLS = (("ours", "ours"), ("eager", "eager"), ("compile", "`torch.compile`"), ("liger", "Liger"))
+
+
+def _g3(value: float) -> str:
+    return f"{value:#.3g}"
+
+
+def render_kernels(reports: list[dict], sources: list[str], params: dict) -> str:
+    """Kernels alone (``benchmarks/kernels_bench.py``): wall / GPU ms per call for every
+    implementation, peak memory where it matters, and ours against the copy bandwidth or in TFLOP/s."""
+    records = [r for report in reports for r in report["records"]]
+    cases: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in records:
+        cases.setdefault((r["op"], r["shape"]), {})[r["impl"]] = r
+    header = ["op (shape)"] + [f"{title}, wall / GPU ms" for _, title in KERNEL_IMPLS]
+    header.append("ours: % of copy bandwidth (others) or TFLOP/s")
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for (op, shape), impls in cases.items():
+        cells = []
+        for impl, _ in KERNEL_IMPLS:
+            r = impls.get(impl)
+            if r is None or r.get("status", "ok") != "ok":
+                cells.append(DASH)
+                continue
+            wall = f"{r['median_ms']:.2f}" if r["median_ms"] < 10 else _g3(r["median_ms"])
+            cell = f"{wall} / {_g3(r['device_ms'])}" if r.get("device_ms") else wall
+            if r.get("gbps") is None:  # compute-bound ops: their memory is the point
+                cell += f", {r['peak_mib'] / 1024:.2f} GiB"
+            cells.append(cell)
+        ours = impls.get("ours", {})
+        if ours.get("copy_fraction") is not None:
+            others = [
+                f"{title} {impls[impl]['copy_fraction']:.0%}"
+                for impl, title in KERNEL_IMPLS[1:]
+                if impls.get(impl, {}).get("copy_fraction") is not None
+            ]
+            last = f"{ours['copy_fraction']:.0%} ({', '.join(others)})"
+        elif ours.get("tflops") is not None:
+            last = f"{ours['tflops']:.0f} TFLOP/s"
+        else:
+            last = DASH
+        lines.append(f"| {KERNEL_NAMES.get(op, op)} (`{shape}`) | " + " | ".join(cells) + f" | {last} |")
+    copy = reports[-1].get("copy_bandwidth_gbps")
+    steps = f"copy bandwidth measured {copy / 1000:.2f} TB/s" if copy else ""
+    return _env_caption(reports, sources, steps) + "\n\n" + "\n".join(lines) + "\n"
+
+
+OFFLOAD_SETUPS = {
+    "none": "(a) no checkpointing",
+    "checkpoint": "(b) plain checkpointing",
+    "offload_single": "(c) offload, single-buffered",
+    "offload_double": "(d) offload, double-buffered",
+    "save_on_cpu": "(e) `torch.autograd.graph.save_on_cpu`",
+    "planned": "memory plan with the whole card",
+}
+
+
+def render_offload(reports: list[dict], sources: list[str], params: dict) -> str:
+    """Checkpointing and offload (``benchmarks/offload_bench.py``): tokens/s and peak per setup for
+    each timed file's shape, and the longest step of a ``max_tokens`` file."""
+    setups: list[str] = []
+    columns: list[tuple[str, dict]] = []
+    for report in reports:
+        if "max_tokens" in report:
+            shape = report["runs"][0]["config"]["shape"]
+            values = {s: f"{v['tokens']:,}" for s, v in report["max_tokens"].items()}
+            columns.append((f"{shape} longest step", values))
+        else:
+            shape = report["config"]["shape"]
+            speed, peak = {}, {}
+            for r in report["results"]:
+                oom = r.get("oom")
+                speed[r["setup"]] = "OOM" if oom else f"{r['tokens_per_s']:,.0f}"
+                peak[r["setup"]] = DASH if oom else f"{r['peak_allocated_gib']:.2f} GiB"
+            columns += [(f"{shape} tokens/s", speed), (f"{shape} peak", peak)]
+        for setup in columns[-1][1]:
+            if setup not in setups:
+                setups.append(setup)
+    header = ["setting"] + [title for title, _ in columns]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(columns)]
+    for setup in setups:
+        cells = [values.get(setup, DASH) for _, values in columns]
+        lines.append(f"| {OFFLOAD_SETUPS.get(setup, setup)} | " + " | ".join(cells) + " |")
+    return _env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
+
+
+RENDERERS = {
+    "compact": render_compact,
+    "fsdp": render_fsdp,
+    "moe_layer": render_moe_layer,
+    "kernels": render_kernels,
+    "offload": render_offload,
+}

@@ -13,7 +13,7 @@ then one JSON, ``<out_dir>/bench_<scenario>_<device>.json``, rewritten after eve
      "scenario": the composed config, "workload": the workload every system trained,
      "results": [one record per system: status, real tokens/s (median, min, max, per step), peak
                  allocated/reserved, MFU (measured and datasheet), first/last loss, LoRA gradient
-                 norms (A and B)]}
+                 norms (A and B), the system's wall time (process start to last step)]}
 
 The guard: a system whose loss is not finite, or whose trainable gradients are all zero or not
 finite, gets ``status: "failed"`` and a reason; the report never shows it as fast.
@@ -203,7 +203,7 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     model = system.setup(workload)
     model.train()
     setup_s = time.perf_counter() - start
-    n_params = flop_parameters(model)
+    n_params = flop_parameters(model) - bench._inactive_expert_parameters(model)  # MoE: active only
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     times, tokens, flops, losses, stats = [], [], [], [], {}
@@ -515,6 +515,7 @@ def run_suite(cfg) -> dict:
     report = {"environment": env, "scenario": scenario, "workload": asdict(workload), "results": []}
     for name in names:
         task = {"kind": "system", "system": name, "scenario": scenario}
+        begin = time.perf_counter()
         if cfg["isolate"]:
             preamble = resolve(name).preamble
             record = {"system": name, "label": resolve(name).label} | _in_fresh_process(
@@ -522,6 +523,7 @@ def run_suite(cfg) -> dict:
             )
         else:
             record = measure(name, scenario)
+        record["wall_s"] = time.perf_counter() - begin  # the whole system: process, build, every step
         add_mfu(record, env)
         report["results"].append(record)
         out.write_text(json.dumps(report, indent=2) + "\n")

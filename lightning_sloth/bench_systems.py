@@ -24,6 +24,13 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
+    hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
+                                     same NF4 weights (``prepare_model_for_kbit_training``), padded
+                                     micro-batches / packed rows with its SDPA.
+    sloth_nf4 / sloth_nf4_offload    lightning_sloth on NF4 base weights built layer by layer in 4
+                                     bits (``transform_model(kernels=True)``, + offload).
+On a MoE shape (``SHAPE_FAMILIES``) the transformers systems keep transformers' own experts
+(``grouped_mm``) and PEFT's ``target_parameters`` LoRA on them.
 """
 
 from __future__ import annotations
@@ -185,6 +192,62 @@ def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
     return [collate([samples[i] for i in idx]) for idx in bins]
 
 
+def base_config(workload: Workload, attn: str = "sdpa"):
+    """The transformers config of the workload's shape (family from ``bench.SHAPE_FAMILIES``)."""
+    from transformers import AutoConfig
+
+    family = bench.SHAPE_FAMILIES.get(workload.shape, "llama")
+    return AutoConfig.for_model(
+        family, **bench.SHAPES[workload.shape], attn_implementation=attn, use_cache=False
+    )
+
+
+def quantized_base_model(workload: Workload, quant_type: str = "nf4"):
+    """The workload's shape with random weights built directly in 4 bits (``lm_head`` kept in bf16),
+    layer by layer on :func:`~lightning_sloth.bench.bench_device` (the bf16 model never exists whole)."""
+    from lightning_sloth.quant import random_quantized
+
+    return random_quantized(
+        base_config(workload),
+        quant_type,
+        device=bench.bench_device(),
+        dtype=torch.bfloat16,
+        seed=workload.seed,
+    )
+
+
+def _sloth_4bit(**settings) -> Callable:
+    """lightning_sloth on NF4 base weights: 4-bit model, PEFT LoRA, ``transform_model(kernels=True)``."""
+
+    def setup(workload: Workload):
+        from lightning_sloth.plugins.strategy import transform_model
+
+        model = bench.build_model(workload, "sdpa", checkpointing=False, base=quantized_base_model(workload))
+        model._sloth_report = transform_model(model, kernels=True, **settings)
+        return model
+
+    return setup
+
+
+def _hf_bitsandbytes(workload: Workload):
+    """transformers + PEFT + bitsandbytes: the same NF4 weights as bitsandbytes ``Linear4bit`` layers
+    (our storage, nothing re-quantised), ``prepare_model_for_kbit_training``, its checkpointing."""
+    from peft import prepare_model_for_kbit_training
+
+    from lightning_sloth.quant import Linear4bit
+
+    model = quantized_base_model(workload)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear4bit):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.to_bnb_module(torch.bfloat16))
+    model.is_loaded_in_4bit = True
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    return bench.build_model(workload, "sdpa", checkpointing=False, base=model)
+
+
 SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "hf_padded": SuiteSystem("transformers + PEFT, SDPA, padded micro-batches of 8 (baseline)"),
     "hf_packed_sdpa": SuiteSystem("transformers + PEFT, packed rows, its own SDPA"),
@@ -220,6 +283,28 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
 }
 for _op in bench.KERNEL_OPS:
     SUITE_SYSTEMS[f"sloth_kernels_without_{_op}"] = SuiteSystem(f"lightning_sloth, {_op} kernel off")
+
+# QLoRA (conf/bench/scenario/qlora_*.yaml, systems=qlora): NF4 base weights, the same LoRA.
+SUITE_SYSTEMS.update(
+    {
+        "hf_bnb_padded": SuiteSystem(
+            "transformers + PEFT + bitsandbytes NF4, SDPA, padded micro-batches of 8",
+            _hf_bitsandbytes,
+            bench._hf_padded_batches,
+        ),
+        "hf_bnb_packed": SuiteSystem(
+            "transformers + PEFT + bitsandbytes NF4, packed rows, its own SDPA",
+            _hf_bitsandbytes,
+            bench._packed_batches,
+        ),
+        "sloth_nf4": SuiteSystem(
+            'lightning_sloth, quantize="nf4" (kernels=True)', _sloth_4bit(), bench._packed_batches
+        ),
+        "sloth_nf4_offload": SuiteSystem(
+            'lightning_sloth, quantize="nf4" + offload="on"', _sloth_4bit(offload="on"), bench._packed_batches
+        ),
+    }
+)
 
 
 def resolve(name: str) -> SuiteSystem:

@@ -25,12 +25,12 @@ PACKED = [
 ]
 
 
-def tiny_config(out_dir: Path, systems: list[str]):
+def tiny_config(out_dir: Path, systems: list[str], scenario: str = "tiny"):
     with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
         return compose(
             config_name="config",
             overrides=[
-                "scenario=tiny",
+                f"scenario={scenario}",
                 f"systems.names=[{','.join(systems)}]",
                 "isolate=false",
                 f"out_dir={out_dir}",
@@ -165,13 +165,56 @@ def test_device_tags():
     assert bench_suite.device_tag("CPU (x86_64, 2 cores)") == "cpu"
 
 
-@pytest.mark.parametrize("name", ["llama_3_2_1b", "qwen3_0_6b", "llama_3_1_8b", "tiny"])
+def test_moe_scenario_runs_transformers_experts_and_ours(tmp_path):
+    # tiny_moe: transformers' grouped_mm experts + PEFT target_parameters LoRA against ours, the
+    # same weights and rows; MFU counts only the active experts.
+    report = bench_suite.run_suite(tiny_config(tmp_path, ["hf_packed_sdpa", "sloth_kernels"], "tiny_moe"))
+    hf, ours = report["results"]
+    for record in (hf, ours):
+        assert record["status"] == "ok", record
+        assert record["lora_A_grad_norm"] > 0 and record["lora_B_grad_norm"] > 0
+    assert ours["first_loss"] == pytest.approx(hf["first_loss"], rel=2e-3)
+    assert ours["lora_B_grad_norm"] == pytest.approx(hf["lora_B_grad_norm"], rel=2e-2)
+    model = bench_systems.bench.build_model(bench_suite.register_scenario(report["scenario"]), "sdpa")
+    inactive = bench_systems.bench._inactive_expert_parameters(model)
+    assert 0 < inactive < sum(p.numel() for p in model.parameters())
+
+
+def test_qlora_systems_train_the_same_nf4_weights(tmp_path):
+    # bitsandbytes' Linear4bit over our NF4 storage, and ours, on the bitsandbytes CPU backend.
+    systems = ["hf_bnb_packed", "sloth_nf4", "sloth_nf4_offload"]
+    report = bench_suite.run_suite(tiny_config(tmp_path, systems))
+    records = {r["system"]: r for r in report["results"]}
+    for record in records.values():
+        assert record["status"] == "ok", record
+        assert record["lora_A_grad_norm"] > 0 and record["lora_B_grad_norm"] > 0
+    hf = records["hf_bnb_packed"]
+    for name in systems[1:]:
+        assert records[name]["first_loss"] == pytest.approx(hf["first_loss"], rel=2e-3)
+        assert records[name]["lora_B_grad_norm"] == pytest.approx(hf["lora_B_grad_norm"], rel=2e-2)
+    assert records["sloth_nf4_offload"]["offload"]  # the offloader ran
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama_3_2_1b",
+        "qwen3_0_6b",
+        "llama_3_1_8b",
+        "tiny",
+        "tiny_moe",
+        "qwen3_30b_a3b_8l",
+        "qlora_llama_3_1_8b",
+    ],
+)
 def test_every_scenario_config_composes_to_its_model(name, tmp_path):
     with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"scenario={name}"])
     scenario = OmegaConf.to_container(cfg.scenario)
     workload = bench_suite.register_scenario(scenario)
     assert workload.timed_steps >= 2 and workload.tokens_per_step >= 256
+    if not name.startswith("tiny"):  # the benchmark method: >= 20 timed steps after the warm-up
+        assert workload.timed_steps >= 20 and workload.warmup_steps >= 5
     from transformers import AutoConfig
 
     family = bench_systems.bench.SHAPE_FAMILIES.get(workload.shape, "llama")
@@ -186,3 +229,10 @@ def test_every_scenario_config_composes_to_its_model(name, tmp_path):
             True,
         )
     assert list(cfg.systems.names)  # the default system set
+
+
+def test_unknown_block_kind_is_named(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"environment": {}, "results": []}))
+    text = "<!-- bench:x kind=pie -->\n<!-- /bench:x -->\n"
+    with pytest.raises(ValueError, match="unknown kind 'pie'"):
+        bench_report.update_readme(text, tmp_path, tmp_path)
