@@ -24,6 +24,8 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
+    sloth_kernels_kv_repeat          every kernel, but GQA K/V heads copied to one per query head
+                                     before the varlen kernel (torch 2.11's ``varlen_attn`` way).
 """
 
 from __future__ import annotations
@@ -176,6 +178,13 @@ def _sloth_offload_single(workload: Workload):
     return model
 
 
+def _sloth_kv_repeat(workload: Workload):
+    from lightning_sloth.attention import set_varlen_kv_repeat
+
+    set_varlen_kv_repeat(True)  # process-wide; this process runs only this system
+    return bench._sloth(kernels=True)(workload)
+
+
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
     """The packed steps as :class:`~lightning_sloth.data.PackedBatch` objects, as a DataLoader yields them."""
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
@@ -216,6 +225,11 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
+    ),
+    "sloth_kernels_kv_repeat": SuiteSystem(
+        "lightning_sloth, GQA K/V heads repeated before the varlen kernel",
+        _sloth_kv_repeat,
+        bench._packed_batches,
     ),
 }
 for _op in bench.KERNEL_OPS:
