@@ -160,3 +160,27 @@ def test_direct_path_compiles_fullgraph_and_matches_eager():
     assert _rel_err(out, eager) < 1e-2
     for g, e in zip(grads, eager_grads):
         assert _rel_err(g, e) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_add_rms_norm_kernel_matches_unfused(dtype, offset):
+    from lightning_sloth.ops.rms_norm import add_rms_norm, rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shape = (3, 1001, 2048)
+
+    def make():
+        return torch.randn(shape, generator=gen, device="cuda", dtype=dtype).requires_grad_()
+
+    x, residual = make(), make()
+    weight = (1 + 0.3 * torch.randn(2048, generator=gen, device="cuda")).to(dtype).requires_grad_()
+    grad_y, grad_s = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+    y, s = add_rms_norm(x, residual, weight, 1e-5, offset)
+    got = (y, s, *torch.autograd.grad((y, s), (x, residual, weight), (grad_y, grad_s)))
+    s_ref = residual + x
+    y_ref = rms_norm(s_ref, weight, 1e-5, offset)
+    want = (y_ref, s_ref, *torch.autograd.grad((y_ref, s_ref), (x, residual, weight), (grad_y, grad_s)))
+    assert torch.equal(s, s_ref) and torch.equal(y, y_ref)  # the same roundings as the two ops
+    for name, g, w in zip(("dx", "dresidual", "dweight"), got[2:], want[2:]):
+        assert _rel_err(g, w) < (1e-5 if dtype == torch.float32 else 1e-2), (name, _rel_err(g, w))
