@@ -26,6 +26,8 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
     sloth_kernels_kv_repeat          every kernel, but GQA K/V heads copied to one per query head
                                      before the varlen kernel (torch 2.11's ``varlen_attn`` way).
+    sloth_kernels_without_add_rms_norm every kernel, the residual add and the next norm unfused.
+    sloth_kernels_before_host_gap    both of the above (K/V repeated, add and norm unfused).
 """
 
 from __future__ import annotations
@@ -185,6 +187,13 @@ def _sloth_kv_repeat(workload: Workload):
     return bench._sloth(kernels=True)(workload)
 
 
+def _sloth_kv_repeat_unfused(workload: Workload):
+    from lightning_sloth.attention import set_varlen_kv_repeat
+
+    set_varlen_kv_repeat(True)
+    return bench._sloth(kernels={"add_rms_norm": False})(workload)
+
+
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
     """The packed steps as :class:`~lightning_sloth.data.PackedBatch` objects, as a DataLoader yields them."""
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
@@ -229,6 +238,16 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_kv_repeat": SuiteSystem(
         "lightning_sloth, GQA K/V heads repeated before the varlen kernel",
         _sloth_kv_repeat,
+        bench._packed_batches,
+    ),
+    "sloth_kernels_without_add_rms_norm": SuiteSystem(
+        "lightning_sloth, residual add and norm unfused",
+        bench._sloth(kernels={"add_rms_norm": False}),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_before_host_gap": SuiteSystem(
+        "lightning_sloth, K/V repeated and add+norm unfused (before the host-gap work)",
+        _sloth_kv_repeat_unfused,
         bench._packed_batches,
     ),
 }
