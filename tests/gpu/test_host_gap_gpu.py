@@ -184,3 +184,49 @@ def test_add_rms_norm_kernel_matches_unfused(dtype, offset):
     assert torch.equal(s, s_ref) and torch.equal(y, y_ref)  # the same roundings as the two ops
     for name, g, w in zip(("dx", "dresidual", "dweight"), got[2:], want[2:]):
         assert _rel_err(g, w) < (1e-5 if dtype == torch.float32 else 1e-2), (name, _rel_err(g, w))
+
+
+@pytest.mark.parametrize("offload", ["off", "on"])
+def test_transformed_step_matches_the_unfused_repeat_path_and_never_syncs(offload):
+    """A packed LoRA step through transform_model(kernels=True): GQA without repeat and add_rms_norm
+    give the loss and gradients of the earlier path (K/V repeated, add and norm unfused), and a step
+    reads nothing back from the device."""
+    import copy
+
+    import _models
+
+    from lightning_sloth.plugins.strategy import transform_model
+
+    master = _models.tiny_llama(
+        hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2
+    )
+    master = _models.add_lora(master, r=8).to("cuda", torch.bfloat16).train()
+    before, after = copy.deepcopy(master), copy.deepcopy(master)
+    transform_model(before, kernels={"add_rms_norm": False}, offload=offload)
+    transform_model(after, kernels=True, offload=offload)
+    docs = _models.random_documents([300, 17, 600, 5, 101], seed=1)
+    warm = _models.packed_batch(docs, pad_to=1100).to("cuda")
+    step = _models.packed_batch(_models.random_documents([64, 64, 513, 1, 331], seed=2), pad_to=1100).to(
+        "cuda"
+    )
+
+    def loss_and_grads(model, batch, repeat):
+        set_varlen_kv_repeat(repeat)
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = loss_and_grads(before, step, True)
+    loss_and_grads(after, warm, False)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, grads = loss_and_grads(after, step, False)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        assert _rel_err(grad, ref_grads[name]) < 3e-2, (name, _rel_err(grad, ref_grads[name]))
