@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> dict:
         environment,
         forward_backward,
         make_optimizer,
-        resolve_system,
         stage_batch,
     )
+    from lightning_sloth.bench_systems import resolve
 
     parser = argparse.ArgumentParser(description="host-side profile of one training step (CUDA)")
     parser.add_argument("--system", default="sloth_kernels")
@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     workload = Workload(shape=args.shape, warmup_steps=3, timed_steps=2 * args.steps + 1)
     samples = workload.samples(SHAPES[args.shape].get("vocab_size", 32000))
-    setup, batches = resolve_system(args.system)
+    system = resolve(args.system)
+    if system.setup is None:
+        raise SystemExit(f"{args.system} is run by Lightning's Trainer; host_profile takes loop systems")
+    setup, batches = system.setup, system.batches
     model = setup(workload).train()
     optimizer = make_optimizer(model)
     steps = iter(batches(workload, samples, 0))

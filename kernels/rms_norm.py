@@ -11,6 +11,10 @@ matching the Hugging Face modules:
 A program owns ``BLOCK_M`` whole rows, so short rows (e.g. per-head q/k norms, 128 wide) still give each
 program a few thousand values. The backward is a grid-stride loop: each program accumulates its
 rows' share of ``dW`` in fp32 registers and writes one partial row; the partial rows are summed after.
+
+``add_rms_norm`` (a decoder layer's residual add followed by its next norm) runs the same kernels:
+the forward adds the residual as it loads and also stores the sum; the backward adds the sum's own
+gradient to the one through the norm before it stores. One pass each way instead of two.
 """
 
 from __future__ import annotations
@@ -27,16 +31,20 @@ _TARGET_BLOCK = 4096
 @triton.jit
 def _rms_norm_forward_kernel(
     X,
+    R,
+    S,
     W,
     Y,
     RSTD,
     n_rows,
     n_cols,
     stride_x,
+    stride_r,
     stride_y,
     eps,
     offset,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -47,6 +55,12 @@ def _rms_norm_forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
 
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # s = x + residual, rounded to the storage dtype as the unfused add would; the norm reads s.
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(S.dtype.element_ty)
+        tl.store(S + rows[:, None] * stride_y + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     x_hat = x * rstd[:, None]
@@ -60,6 +74,7 @@ def _rms_norm_forward_kernel(
 @triton.jit
 def _rms_norm_backward_kernel(
     DY,
+    DS,
     X,
     W,
     RSTD,
@@ -68,9 +83,11 @@ def _rms_norm_backward_kernel(
     n_rows,
     n_cols,
     stride_dy,
+    stride_ds,
     stride_x,
     stride_dx,
     offset,
+    HAS_GRAD_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -93,6 +110,9 @@ def _rms_norm_backward_kernel(
         # d/dx of x * rstd(x): rstd * (dx_hat - x_hat * mean(dx_hat * x_hat)).
         proj = tl.sum(dx_hat * x_hat, axis=1) / n_cols
         dx = (dx_hat - x_hat * proj[:, None]) * rstd[:, None]
+        if HAS_GRAD_SUM:
+            # add_rms_norm: the sum also leaves the op, so its own gradient joins the norm's.
+            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dy * x_hat
 
@@ -127,42 +147,90 @@ def rms_norm_forward(
     if n_rows == 0:
         return y, rstd
     block_m, block_n = _blocks(n_cols)
+    _launch_forward(x_rows, None, None, weight, y, rstd, eps, offset, cast_before_weight)
+    return y, rstd
+
+
+def add_rms_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    cast_before_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (rounded to x's dtype), then :func:`rms_norm_forward` of ``s``, in one pass.
+
+    Args:
+        x, residual: ``[..., D]`` of one shape and dtype (float16/bfloat16/float32).
+        weight, eps, offset, cast_before_weight: as for :func:`rms_norm_forward`.
+
+    Returns:
+        ``y`` (the norm of ``s``), ``s`` (both contiguous, shape and dtype of x) and ``rstd``
+        (``x.shape[:-1]``, float32).
+    """
+    x_rows, r_rows = rows_view(x), rows_view(residual)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x_rows.shape[0] == 0:
+        return y, s, rstd
+    _launch_forward(x_rows, r_rows, s, weight, y, rstd, eps, offset, cast_before_weight)
+    return y, s, rstd
+
+
+def _launch_forward(x_rows, r_rows, s, weight, y, rstd, eps, offset, cast_before_weight) -> None:
+    n_rows, n_cols = x_rows.shape
+    block_m, block_n = _blocks(n_cols)
+    has_residual = r_rows is not None
     launchable(_rms_norm_forward_kernel)[(triton.cdiv(n_rows, block_m),)](
         x_rows,
+        r_rows if has_residual else x_rows,
+        s if has_residual else y,
         weight.contiguous(),
         y,
         rstd,
         n_rows,
         n_cols,
         x_rows.stride(0),
+        r_rows.stride(0) if has_residual else 0,
         n_cols,
         eps,
         offset,
         CAST_BEFORE_WEIGHT=cast_before_weight,
+        HAS_RESIDUAL=has_residual,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps_for(block_m * block_n),
     )
-    return y, rstd
 
 
 def rms_norm_backward(
-    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    grad_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`rms_norm_forward` (either cast order: the rounding passes gradients through).
 
     Args:
         grad_y: ``[..., D]``, the gradient of ``y`` (any float dtype).
-        x: ``[..., D]``, the forward input.
+        x: ``[..., D]``, the forward input (the sum ``s`` for :func:`add_rms_norm_forward`).
         weight: ``[D]``.
         rstd: ``x.shape[:-1]`` float32, as returned by the forward.
         offset: The forward's weight offset.
+        grad_sum: ``[..., D]`` or None: for :func:`add_rms_norm_forward`, the gradient reaching ``s``
+            directly, added to the one through the norm.
 
     Returns:
-        ``grad_x`` (contiguous, shape and dtype of x) and ``grad_weight`` (shape and dtype of weight).
+        ``grad_x`` (contiguous, shape and dtype of x; for ``add_rms_norm`` the gradient of ``s``,
+        hence of both summands) and ``grad_weight`` (shape and dtype of weight).
     """
     x_rows = rows_view(x)
     dy_rows = rows_view(grad_y)
+    ds_rows = rows_view(grad_sum) if grad_sum is not None else None
     n_rows, n_cols = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
@@ -172,6 +240,7 @@ def rms_norm_backward(
     dw_partial = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device)
     launchable(_rms_norm_backward_kernel)[(grid,)](
         dy_rows,
+        dy_rows if ds_rows is None else ds_rows,
         x_rows,
         weight.contiguous(),
         rstd.contiguous(),
@@ -180,9 +249,11 @@ def rms_norm_backward(
         n_rows,
         n_cols,
         dy_rows.stride(0),
+        0 if ds_rows is None else ds_rows.stride(0),
         x_rows.stride(0),
         n_cols,
         offset,
+        HAS_GRAD_SUM=ds_rows is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps_for(block_m * block_n),

@@ -19,8 +19,12 @@ function registered here reads them and keeps each document to itself::
 Backends (:func:`set_packed_attention_backend`):
 
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention on CUDA, fp16/bf16).
-  No metadata at all beyond ``cu_seqlens``; K/V heads are repeated for GQA where the installed
-  torch has no ``enable_gqa``.
+  No metadata at all beyond ``cu_seqlens``. GQA without copying K/V heads
+  (:func:`set_varlen_kv_repeat`): ``varlen_attn(enable_gqa=True)`` where the installed torch has
+  it (2.13); else the flash varlen ops it wraps, called directly (:class:`_VarlenFlash`), since
+  the flash kernel itself reads each K/V head for its group of query heads and its backward sums
+  the group's ``dk``/``dv``. Repeating K/V heads (``[T, Hq, D]`` copies in the forward and
+  recompute, a reduction in the backward) remains as the switched-off path.
 * ``"flex"``: FlexAttention with a document-causal ``BlockMask``, built block-sparse straight from
   ``cu_seqlens`` (``O((T/128)^2)``, never a ``[T, T]`` mask) and compiled on CUDA. On CPU it runs
   forward only (torch has no CPU flex backward).
@@ -97,6 +101,7 @@ FLEX_BLOCK_SIZE = 128
 _VARLEN_HAS_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 _backend = "auto"
+_kv_repeat = False
 
 
 def set_packed_attention_backend(backend: str) -> None:
@@ -114,6 +119,21 @@ def set_packed_attention_backend(backend: str) -> None:
 def get_packed_attention_backend() -> str:
     """The backend chosen with :func:`set_packed_attention_backend` (``"auto"`` by default)."""
     return _backend
+
+
+def set_varlen_kv_repeat(repeat: bool) -> None:
+    """Process-wide: repeat K/V heads for GQA in the ``"varlen"`` backend (``False``, the default,
+    lets the flash kernel read the shared heads in place; ``True`` copies them to one per query head
+    first, as torch 2.11's ``varlen_attn`` alone would need). Both give the same attention."""
+    global _kv_repeat
+    if not isinstance(repeat, bool):
+        raise TypeError(f"set_varlen_kv_repeat takes a bool, got {repeat!r}")
+    _kv_repeat = repeat
+
+
+def get_varlen_kv_repeat() -> bool:
+    """Whether the ``"varlen"`` backend repeats K/V heads (:func:`set_varlen_kv_repeat`)."""
+    return _kv_repeat
 
 
 def register_sloth_attention() -> None:
@@ -374,18 +394,25 @@ def _varlen(
 ) -> Tensor:
     groups = query.shape[1] // key.shape[1]
     extra = {}
-    if groups > 1 and _VARLEN_HAS_GQA:
-        extra["enable_gqa"] = True
+    # The direct flash path covers GQA on a torch whose varlen_attn has no enable_gqa.
+    direct_gqa = False
+    if groups > 1 and not _kv_repeat:
+        if _VARLEN_HAS_GQA:
+            extra["enable_gqa"] = True
+        else:
+            direct_gqa = True
         groups = 1
     # transformers' sliding window W keeps keys with q - k < W, i.e. W - 1 to the left.
     window_left = -1 if window is None else window - 1
     q, k, v = _to_varlen_layout(query, 1), _to_varlen_layout(key, groups), _to_varlen_layout(value, groups)
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int32)
+    # Dynamo refuses an autograd.Function given one tensor twice: None stands for "cu_k is cu_q".
+    cu_k_arg = None if cu_k is cu_q else cu_k
     if sinks is not None:
-        # Dynamo refuses an autograd.Function given one tensor twice: None stands for "cu_k is cu_q".
-        cu_k_arg = None if cu_k is cu_q else cu_k
         out = _VarlenWithSinks.apply(q, k, v, sinks, cu_q, cu_k_arg, max_q, max_k, scaling, window_left)
+    elif direct_gqa:
+        out = _VarlenFlash.apply(q, k, v, cu_q, cu_k_arg, max_q, max_k, scaling, window_left)
     else:
         out = varlen_attn(
             q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(window_left, 0), **extra
@@ -436,6 +463,33 @@ def _flash_varlen_backward(
         window_size_left=window_left,
         window_size_right=0,
     )
+
+
+class _VarlenFlash(torch.autograd.Function):
+    """Flash varlen attention on ``[T, H, D]`` with ``Hkv`` dividing ``Hq``, K/V not repeated.
+
+    The same two flash ops ``varlen_attn`` wraps; only its Python-side check for equal head counts
+    is left out. The forward kernel maps query head ``h`` to K/V head ``h // (Hq / Hkv)`` and the
+    backward returns ``dk``/``dv`` with ``Hkv`` heads (each summed over its group of query heads).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):
+        cu_k = cu_q if cu_k is None else cu_k
+        out, lse, rng_state, unused = _flash_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left
+        )
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused, cu_q, cu_k)
+        ctx.args = (max_q, max_k, scale, window_left)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, rng_state, unused, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = _flash_varlen_backward(
+            grad.contiguous(), q, k, v, out, lse, rng_state, unused, cu_q, cu_k, *ctx.args
+        )
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 class _VarlenWithSinks(torch.autograd.Function):
@@ -710,7 +764,9 @@ __all__ = [
     "document_ids",
     "enable_packed_attention",
     "get_packed_attention_backend",
+    "get_varlen_kv_repeat",
     "register_sloth_attention",
     "set_packed_attention_backend",
+    "set_varlen_kv_repeat",
     "sloth_attention_forward",
 ]

@@ -24,6 +24,10 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
+    sloth_kernels_kv_repeat          every kernel, but GQA K/V heads copied to one per query head
+                                     before the varlen kernel (torch 2.11's ``varlen_attn`` way).
+    sloth_kernels_without_add_rms_norm every kernel, the residual add and the next norm unfused.
+    sloth_kernels_before_host_gap    both of the above (K/V repeated, add and norm unfused).
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -183,6 +187,20 @@ def _sloth_offload_single(workload: Workload):
     return model
 
 
+def _sloth_kv_repeat(workload: Workload):
+    from lightning_sloth.attention import set_varlen_kv_repeat
+
+    set_varlen_kv_repeat(True)  # process-wide; this process runs only this system
+    return bench._sloth(kernels=True)(workload)
+
+
+def _sloth_kv_repeat_unfused(workload: Workload):
+    from lightning_sloth.attention import set_varlen_kv_repeat
+
+    set_varlen_kv_repeat(True)
+    return bench._sloth(kernels={"add_rms_norm": False})(workload)
+
+
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
     """The packed steps as :class:`~lightning_sloth.data.PackedBatch` objects, as a DataLoader yields them."""
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
@@ -279,6 +297,21 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
+    ),
+    "sloth_kernels_kv_repeat": SuiteSystem(
+        "lightning_sloth, GQA K/V heads repeated before the varlen kernel",
+        _sloth_kv_repeat,
+        bench._packed_batches,
+    ),
+    "sloth_kernels_without_add_rms_norm": SuiteSystem(
+        "lightning_sloth, residual add and norm unfused",
+        bench._sloth(kernels={"add_rms_norm": False}),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_before_host_gap": SuiteSystem(
+        "lightning_sloth, K/V repeated and add+norm unfused (before the host-gap work)",
+        _sloth_kv_repeat_unfused,
+        bench._packed_batches,
     ),
 }
 for _op in bench.KERNEL_OPS:

@@ -36,10 +36,15 @@ _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.05, output_router_logi
 # model_type -> (config class, config overrides, attention implementation, expected report counts).
 # Counts are per 2 layers: Gemma has 4 norms per layer, Qwen3/Gemma 3 add per-head q/k norms.
 FAMILY_CASES = {
-    "llama": ("LlamaConfig", {}, "sdpa", dict(rms_norm=5, rope=2, glu=2)),
-    "mistral": ("MistralConfig", {"sliding_window": 8}, "sdpa", dict(rms_norm=5, rope=2, glu=2)),
-    "qwen2": ("Qwen2Config", {}, "sdpa", dict(rms_norm=5, rope=2, glu=2)),
-    "qwen3": ("Qwen3Config", {}, "sdpa", dict(rms_norm=9, rope=2, glu=2)),
+    "llama": ("LlamaConfig", {}, "sdpa", dict(rms_norm=5, rope=2, glu=2, add_rms_norm=2)),
+    "mistral": (
+        "MistralConfig",
+        {"sliding_window": 8},
+        "sdpa",
+        dict(rms_norm=5, rope=2, glu=2, add_rms_norm=2),
+    ),
+    "qwen2": ("Qwen2Config", {}, "sdpa", dict(rms_norm=5, rope=2, glu=2, add_rms_norm=2)),
+    "qwen3": ("Qwen3Config", {}, "sdpa", dict(rms_norm=9, rope=2, glu=2, add_rms_norm=2)),
     "gemma2": (
         "Gemma2Config",
         dict(_WINDOWED, final_logit_softcapping=3.0, attn_logit_softcapping=20.0, query_pre_attn_scalar=16),
@@ -141,7 +146,7 @@ def test_full_finetune_matches_unpatched(model_type):
     reference = copy.deepcopy(model)
     report = apply_kernels(model, KernelSettings(lora=False))
 
-    expected = {**FAMILY_CASES[model_type][3], "cross_entropy": 1, "lora": 0}
+    expected = {"add_rms_norm": 0, **FAMILY_CASES[model_type][3], "cross_entropy": 1, "lora": 0}
     assert report.supported and report.model_type == model_type
     assert report.counts == {op: expected[op] for op in OPS}
     assert report.modules["cross_entropy"] == [""]  # the causal LM itself

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OPS", "KernelSettings", "PatchReport", "apply_kernels", "unpatch"]
 
-OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora")
+OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm")
 """The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
 
 
@@ -33,6 +33,8 @@ class KernelSettings:
         glu: gated MLPs -> ``sloth::swiglu`` / ``sloth::geglu``.
         cross_entropy: the causal LM's loss -> ``sloth::linear_cross_entropy`` (no logits).
         lora: PEFT ``lora.Linear`` layers -> ``sloth::lora_linear``.
+        add_rms_norm: pre-norm decoder layers -> the residual add after attention and the norm
+            before the MLP as one ``sloth::add_rms_norm``.
     """
 
     rms_norm: bool = True
@@ -40,6 +42,7 @@ class KernelSettings:
     glu: bool = True
     cross_entropy: bool = True
     lora: bool = True
+    add_rms_norm: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -165,6 +168,17 @@ def _family_rows(
                 family.classes(family.attentions),
                 lambda module: _forwards.rope_attention_forward(type(module), family.rope_layout),
                 "the attention forward does not call apply_rotary_pos_emb by name",
+            )
+        )
+    if settings.add_rms_norm and family.decoder_layers:
+        rows.append(
+            _Row(
+                "add_rms_norm",
+                family.classes(family.decoder_layers),
+                lambda module: (
+                    _forwards.pre_norm_decoder_forward if _forwards.pre_norm_decoder_fits(module) else None
+                ),
+                "the decoder layer is not the pre-norm form add_rms_norm reproduces",
             )
         )
     if settings.cross_entropy:

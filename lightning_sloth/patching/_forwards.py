@@ -16,6 +16,7 @@ forward (same code object) over a copy of its module namespace in which that one
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import types
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
 from lightning_sloth.ops.lora import fused_lora_forward
-from lightning_sloth.ops.rms_norm import rms_norm
+from lightning_sloth.ops.rms_norm import add_rms_norm, rms_norm
 from lightning_sloth.ops.rope import apply_rope
 from lightning_sloth.patching.families import Family, NormStyle, RopeLayout
 from lightning_sloth.quant.lora import lora_4bit_forward
@@ -104,6 +105,73 @@ def rms_norm_forward(style: NormStyle) -> Callable:
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset)
 
     return forward
+
+
+# ------------------------------------------------------------------------------ pre-norm decoder layer
+_DECODER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def pre_norm_decoder_fits(module: nn.Module) -> bool:
+    """Whether ``module`` is a pre-norm decoder layer :func:`pre_norm_decoder_forward` reproduces:
+    its class's forward reads exactly the four parts, and the second norm is a Llama-order RMSNorm."""
+    forward = inspect.unwrap(getattr(type(module), "forward", None))
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    norm = getattr(module, "post_attention_layernorm", None)
+    return (
+        all(part in names and isinstance(getattr(module, part, None), nn.Module) for part in _DECODER_PARTS)
+        and isinstance(getattr(norm, "weight", None), torch.Tensor)
+        and isinstance(getattr(norm, "variance_epsilon", None), float)
+    )
+
+
+def _checkpoints_in_forward(module: nn.Module) -> bool:
+    """transformers >= 5.23 checkpoints inside the class's ``forward`` (a wrapper around the layer's
+    code), earlier versions in ``__call__``; an instance forward must then checkpoint itself."""
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and code.co_name == "forward_with_checkpointing"
+
+
+@_op_forward("add_rms_norm")
+def pre_norm_decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+    """Pre-norm decoder layer (Llama, Mistral, Qwen2/3) with the residual add after attention and
+    the norm before the MLP in one ``add_rms_norm``: one pass over the hidden states instead of two,
+    forward and backward.
+
+    Checkpointing stays as transformers does it: where its layer class checkpoints inside
+    ``forward`` (>= 5.23) this forward calls the layer's ``_gradient_checkpointing_func`` the same
+    way (cache arguments dropped); else the checkpoint around ``__call__`` wraps this forward.
+    Positional arguments beyond the hidden states run the class's forward.
+    """
+    if args:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    if self.gradient_checkpointing and self.training and _checkpoints_in_forward(self):
+        kwargs["use_cache"] = False
+        kwargs["past_key_values"] = None
+        return self._gradient_checkpointing_func(
+            functools.partial(_pre_norm_layer, self, **kwargs), hidden_states
+        )
+    return _pre_norm_layer(self, hidden_states, **kwargs)
+
+
+def _pre_norm_layer(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    kwargs.setdefault("attention_mask", None)
+    kwargs.setdefault("position_embeddings", None)
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    norm = self.post_attention_layernorm
+    if (
+        hidden_states.dtype == residual.dtype == norm.weight.dtype
+        and hidden_states.shape == residual.shape
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
+    ):
+        hidden_states, residual = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
+    else:
+        # Mixed dtypes (float32 residuals under bf16 autocast) or a hooked norm: the unfused steps.
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = norm(hidden_states)
+    return residual + self.mlp(hidden_states)
 
 
 # -------------------------------------------------------------------------------------- gated MLP

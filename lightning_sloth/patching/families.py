@@ -21,6 +21,9 @@ column                  what it decides
                         (``lightning_sloth.moe``, selected by ``patching.apply_experts``).
 ``routers``             top-k router classes -> the family's router with logits in float32
                         (``lightning_sloth.moe.routing``, installed by ``apply_experts``).
+``decoder_layers``      pre-norm decoder layers (``input_layernorm`` -> ``self_attn`` -> add ->
+                        ``post_attention_layernorm`` -> ``mlp`` -> add) -> ``add_rms_norm`` for the
+                        residual add and the norm after attention (Llama-order norms only).
 ======================  ==========================================================================
 
 MoE families (qwen3_moe, mixtral, gpt_oss) get the norm, rope and loss parts here; their experts
@@ -82,6 +85,7 @@ class Family:
     moe: bool = False
     experts: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
+    decoder_layers: tuple[str, ...] = ()
 
     def modeling(self) -> ModuleType:
         """transformers' modeling module of the family."""
@@ -94,7 +98,11 @@ class Family:
 
 
 def _dense(
-    prefix: str, package: str, norm_style: NormStyle = LLAMA_NORM, activation: str = "hidden_act"
+    prefix: str,
+    package: str,
+    norm_style: NormStyle = LLAMA_NORM,
+    activation: str = "hidden_act",
+    pre_norm_layers: bool = False,
 ) -> Family:
     return Family(
         package=package,
@@ -105,14 +113,15 @@ def _dense(
         attentions=(f"{prefix}Attention",),
         rope_layout="rotate_half",
         causal_lms=(f"{prefix}ForCausalLM",),
+        decoder_layers=(f"{prefix}DecoderLayer",) if pre_norm_layers else (),
     )
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": _dense("Llama", "llama"),
-    "mistral": _dense("Mistral", "mistral"),
-    "qwen2": _dense("Qwen2", "qwen2"),
-    "qwen3": _dense("Qwen3", "qwen3"),
+    "llama": _dense("Llama", "llama", pre_norm_layers=True),
+    "mistral": _dense("Mistral", "mistral", pre_norm_layers=True),
+    "qwen2": _dense("Qwen2", "qwen2", pre_norm_layers=True),
+    "qwen3": _dense("Qwen3", "qwen3", pre_norm_layers=True),
     "gemma2": _dense("Gemma2", "gemma2", GEMMA_NORM, "hidden_activation"),
     "gemma3_text": _dense("Gemma3", "gemma3", GEMMA_NORM, "hidden_activation"),
     "qwen3_moe": Family(
