@@ -24,10 +24,11 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
-    sloth_kernels_kv_repeat          every kernel, but GQA K/V heads copied to one per query head
-                                     before the varlen kernel (torch 2.11's ``varlen_attn`` way).
-    sloth_kernels_without_add_rms_norm every kernel, the residual add and the next norm unfused.
-    sloth_kernels_before_host_gap    both of the above (K/V repeated, add and norm unfused).
+    sloth_kernels_gqa_direct         every kernel + GQA K/V heads read in place by the flash varlen
+                                     kernel (``set_varlen_kv_repeat(False)``, opt-in).
+    sloth_kernels_add_rms_norm       every kernel + the residual add fused into the next norm
+                                     (``kernels={"add_rms_norm": True}``, opt-in).
+    sloth_kernels_host_gap           both of the above.
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -187,18 +188,18 @@ def _sloth_offload_single(workload: Workload):
     return model
 
 
-def _sloth_kv_repeat(workload: Workload):
+def _sloth_gqa_direct(workload: Workload):
     from lightning_sloth.attention import set_varlen_kv_repeat
 
-    set_varlen_kv_repeat(True)  # process-wide; this process runs only this system
+    set_varlen_kv_repeat(False)  # process-wide; this process runs only this system
     return bench._sloth(kernels=True)(workload)
 
 
-def _sloth_kv_repeat_unfused(workload: Workload):
+def _sloth_host_gap(workload: Workload):
     from lightning_sloth.attention import set_varlen_kv_repeat
 
-    set_varlen_kv_repeat(True)
-    return bench._sloth(kernels={"add_rms_norm": False})(workload)
+    set_varlen_kv_repeat(False)
+    return bench._sloth(kernels={"add_rms_norm": True})(workload)
 
 
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
@@ -298,19 +299,19 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
     ),
-    "sloth_kernels_kv_repeat": SuiteSystem(
-        "lightning_sloth, GQA K/V heads repeated before the varlen kernel",
-        _sloth_kv_repeat,
+    "sloth_kernels_gqa_direct": SuiteSystem(
+        "lightning_sloth + GQA without the K/V copy (opt-in)",
+        _sloth_gqa_direct,
         bench._packed_batches,
     ),
-    "sloth_kernels_without_add_rms_norm": SuiteSystem(
-        "lightning_sloth, residual add and norm unfused",
-        bench._sloth(kernels={"add_rms_norm": False}),
+    "sloth_kernels_add_rms_norm": SuiteSystem(
+        "lightning_sloth + residual add fused into the norm (opt-in)",
+        bench._sloth(kernels={"add_rms_norm": True}),
         bench._packed_batches,
     ),
-    "sloth_kernels_before_host_gap": SuiteSystem(
-        "lightning_sloth, K/V repeated and add+norm unfused (before the host-gap work)",
-        _sloth_kv_repeat_unfused,
+    "sloth_kernels_host_gap": SuiteSystem(
+        "lightning_sloth + both opt-in host-gap changes",
+        _sloth_host_gap,
         bench._packed_batches,
     ),
 }

@@ -17,6 +17,7 @@ from lightning_sloth.config import (
     ConfigError,
     HFDatasetDataConfig,
     JsonlDataConfig,
+    KernelOpsConfig,
     PretrainedModelConfig,
     RandomModelConfig,
     Sharding,
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
+_DEFAULT_KERNEL_OPS = vars(KernelOpsConfig())  # ``kernels=True`` means exactly these
 ADAPTER_DIR = "adapter"
 SAMPLES_FILE = "samples.jsonl"
 
@@ -253,7 +255,7 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
     return {
         "packed_attention": sloth.packed_attention,
         "gradient_checkpointing": sloth.gradient_checkpointing,
-        "kernels": (True if all(kernel_ops.values()) else kernel_ops) if kernels else None,
+        "kernels": (True if kernel_ops == _DEFAULT_KERNEL_OPS else kernel_ops) if kernels else None,
         "offload": sloth.offload.value,
         "memory_budget": int(budget) if budget is not None and budget != "auto" else budget,
         "compile": (compile_options or True) if sloth.compile else False,

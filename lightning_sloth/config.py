@@ -282,6 +282,7 @@ class KernelOpsConfig:
     glu: bool = True
     cross_entropy: bool = True
     lora: bool = True
+    add_rms_norm: bool = False  # opt-in: sloth.kernel_ops.add_rms_norm=true
 
 
 @dataclass

@@ -30,7 +30,7 @@ def test_lora_step_matches_unpatched_and_checkpoints(checkpointing):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif checkpointing == "sloth":
             apply_checkpointing(m)
-    report = apply_kernels(model, KernelSettings())
+    report = apply_kernels(model, KernelSettings(add_rms_norm=True))
     assert report.counts["add_rms_norm"] == 2
     assert all(forwards.patched_op(layer) == "add_rms_norm" for layer in _layers(model))
     with mock.patch.object(forwards, "add_rms_norm", wraps=forwards.add_rms_norm) as fused:
@@ -42,7 +42,7 @@ def test_lora_step_matches_unpatched_and_checkpoints(checkpointing):
 def test_autocast_with_float32_residuals_runs_the_unfused_steps():
     model = tiny_model("llama")
     reference = copy.deepcopy(model)
-    apply_kernels(model, KernelSettings(lora=False))
+    apply_kernels(model, KernelSettings(lora=False, add_rms_norm=True))
     wrapped = mock.patch.object(forwards, "add_rms_norm", wraps=forwards.add_rms_norm)
     with wrapped as fused, torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**batch()).loss
@@ -54,7 +54,7 @@ def test_autocast_with_float32_residuals_runs_the_unfused_steps():
 def test_hooked_norm_and_switch_off():
     model = tiny_model("mistral")
     reference = copy.deepcopy(model)
-    apply_kernels(model)
+    apply_kernels(model, KernelSettings(add_rms_norm=True))
     seen = []
     norm = _layers(model)[0].post_attention_layernorm
     handle = norm.register_forward_hook(lambda module, args, out: seen.append(module))
@@ -67,6 +67,11 @@ def test_hooked_norm_and_switch_off():
     assert all(forwards.patched_op(layer) is None for layer in _layers(model))
 
 
+def test_opt_in_by_default():
+    report = apply_kernels(tiny_model("llama"))
+    assert report.counts["add_rms_norm"] == 0 and report.skipped["add_rms_norm"] == "switched off"
+
+
 def test_families_without_the_pre_norm_layer_are_not_patched():
-    report = apply_kernels(tiny_model("gemma2"))
+    report = apply_kernels(tiny_model("gemma2"), KernelSettings(add_rms_norm=True))
     assert report.counts["add_rms_norm"] == 0

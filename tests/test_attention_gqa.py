@@ -65,12 +65,13 @@ class _FakeFlash:
 @pytest.fixture
 def fake_flash(monkeypatch):
     fake = _FakeFlash()
+    set_varlen_kv_repeat(False)  # opt-in: the direct path under test
     monkeypatch.setattr(attention, "_flash_varlen_forward", fake.forward)
     monkeypatch.setattr(attention, "_flash_varlen_backward", fake.backward)
     # The torch 2.11 situation: varlen_attn cannot take fewer K/V heads.
     monkeypatch.setattr(attention, "_VARLEN_HAS_GQA", False)
     yield fake
-    set_varlen_kv_repeat(False)
+    set_varlen_kv_repeat(True)  # back to the default
 
 
 def _inputs(heads_q=6, heads_kv=2, head_dim=16, seed=0):
@@ -149,7 +150,13 @@ def test_torch_with_enable_gqa_uses_it(monkeypatch):
     monkeypatch.setattr(attention, "_VARLEN_HAS_GQA", True)
     q, k, v = _inputs()
     attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)
-    assert calls == [(2, {"enable_gqa": True})]
+    assert calls == [(6, {})]  # the default repeats K/V (the direct path is opt-in)
+    set_varlen_kv_repeat(False)
+    try:
+        attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)
+    finally:
+        set_varlen_kv_repeat(True)
+    assert calls[1:] == [(2, {"enable_gqa": True})]
 
 
 def test_switch_rejects_non_bool():

@@ -285,12 +285,17 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "glu": True,
         "cross_entropy": True,
         "lora": True,
+        "add_rms_norm": False,
     }
     assert (settings["offload"], settings["memory_budget"], settings["compile"]) == (
         "auto",
         8_000_000_000,
         {"dynamic": False},
     )
+    assert build.sloth_settings(make("sloth.kernels=on").sloth)["kernels"] is True  # the default set
+    assert build.sloth_settings(make("sloth.kernels=on", "sloth.kernel_ops.add_rms_norm=true").sloth)[
+        "kernels"
+    ] == dict.fromkeys(["rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm"], True)
     assert (
         build.sloth_settings(make("sloth.memory_budget=auto", "sloth.kernels=on").sloth)["memory_budget"]
         == "auto"

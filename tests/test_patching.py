@@ -144,7 +144,8 @@ def assert_same_training_step(patched, reference, inputs=None, **kwargs) -> None
 def test_full_finetune_matches_unpatched(model_type):
     model = tiny_model(model_type)
     reference = copy.deepcopy(model)
-    report = apply_kernels(model, KernelSettings(lora=False))
+    # With the opt-in add_rms_norm on: the LoRA test below covers the default set.
+    report = apply_kernels(model, KernelSettings(lora=False, add_rms_norm=True))
 
     expected = {"add_rms_norm": 0, **FAMILY_CASES[model_type][3], "cross_entropy": 1, "lora": 0}
     assert report.supported and report.model_type == model_type
@@ -230,8 +231,9 @@ def test_return_dict_false_gives_a_tuple_without_logits():
 def test_each_switch_leaves_its_modules_unpatched(op):
     model = lora(tiny_model("qwen3"))
     reference = copy.deepcopy(model)
-    apply_kernels(model)  # all on first: switching off must also undo
-    report = apply_kernels(model, KernelSettings(**{op: False}))
+    everything = dict.fromkeys(OPS, True)
+    apply_kernels(model, everything)  # all on first: switching off must also undo
+    report = apply_kernels(model, KernelSettings(**{**everything, op: False}))
 
     assert report.counts[op] == 0 and report.skipped[op] == "switched off"
     assert all(report.counts[other] > 0 for other in OPS if other != op)
@@ -335,6 +337,8 @@ def test_custom_loss_function_falls_back_to_the_full_logits(caplog):
 
 def test_kernel_settings_forms():
     assert KernelSettings.coerce(True) == KernelSettings()
+    assert "add_rms_norm" not in KernelSettings().enabled()  # opt-in
+    assert KernelSettings.coerce({"add_rms_norm": True}).enabled() == OPS
     assert KernelSettings.coerce(None).enabled() == ()
     assert KernelSettings.coerce(["rope", "lora"]).enabled() == ("rope", "lora")
     assert KernelSettings.coerce({"glu": False}) == KernelSettings(glu=False)

@@ -268,7 +268,9 @@ def add_rms_norm(
             f"got {tuple(weight.shape)}"
         )
     if not (x.is_floating_point() and weight.is_floating_point()):
-        raise ValueError(f"add_rms_norm: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+        raise ValueError(
+            f"add_rms_norm: x and weight must be floating point, got {x.dtype} and {weight.dtype}"
+        )
     if x.device != weight.device:
         raise ValueError(f"add_rms_norm: x is on {x.device} but weight is on {weight.device}")
     y, summed, _ = call(_add_rms_norm, x, residual, weight, float(eps), float(offset))
