@@ -129,18 +129,24 @@ def _row(record: dict, baseline: float | None) -> list[str]:
 
 
 def caption(reports: list[dict], sources: list[str]) -> str:
-    """One generated line naming the files, device, versions and workload behind a table."""
+    """One generated line naming the files, device, versions and workload behind a table; where
+    several runs make one table, each file's commit and measured matmul rate are named."""
     env, work = reports[-1]["environment"], reports[-1]["workload"]
     parts = [env.get("device", "?")]
     for key in ("torch", "triton", "transformers", "peft", "liger_kernel", "unsloth"):
-        if env.get(key):
-            parts.append(f"{key.replace('_', '-')} {env[key]}")
+        value = next((r["environment"][key] for r in reports if r["environment"].get(key)), None)
+        if value:
+            parts.append(f"{key.replace('_', '-')} {value}")
     if env.get("driver"):
         parts.append(f"driver {env['driver']}")
-    if env.get("matmul_probe_tflops"):
-        parts.append(f"measured bf16 matmul {env['matmul_probe_tflops']:.0f} TFLOP/s")
-    if env.get("git_commit"):
-        parts.append(f"commit {env['git_commit'][:10]}")
+    for source, report in zip(sources, reports):
+        run_env, run = report["environment"], []
+        if run_env.get("matmul_probe_tflops"):
+            run.append(f"measured bf16 matmul {run_env['matmul_probe_tflops']:.0f} TFLOP/s")
+        if run_env.get("git_commit"):
+            run.append(f"commit {run_env['git_commit'][:10]}")
+        if run:
+            parts.append((f"`{source}`: " if len(reports) > 1 else "") + ", ".join(run))
     workload = (
         f"{work['tokens_per_step']:,} tokens per step, LoRA r={work['lora_r']}, "
         f"{work['warmup_steps']} warm-up + {work['timed_steps']} timed steps"
