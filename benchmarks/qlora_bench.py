@@ -97,20 +97,9 @@ def sloth_system(quantize: bool, **settings):
 
 
 def hf_bnb_system(workload: bench.Workload):
-    from peft import prepare_model_for_kbit_training
+    from lightning_sloth.bench_systems import as_bitsandbytes
 
-    from lightning_sloth.quant import Linear4bit
-
-    model = quantized_model(workload.shape, workload.seed)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear4bit):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, module.to_bnb_module(torch.bfloat16))
-    model.is_loaded_in_4bit = True
-    model = prepare_model_for_kbit_training(
-        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
-    )
-    return add_lora(model, workload.lora_r)
+    return add_lora(as_bitsandbytes(quantized_model(workload.shape, workload.seed)), workload.lora_r)
 
 
 SYSTEMS = {

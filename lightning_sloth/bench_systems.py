@@ -248,22 +248,27 @@ def _sloth_4bit(**settings) -> Callable:
     return setup
 
 
-def _hf_bitsandbytes(workload: Workload):
-    """transformers + PEFT + bitsandbytes: the same NF4 weights as bitsandbytes ``Linear4bit`` layers
-    (our storage, nothing re-quantised), ``prepare_model_for_kbit_training``, its checkpointing."""
+def as_bitsandbytes(model):
+    """The model's 4-bit layers as bitsandbytes ``Linear4bit`` modules over the same storage (nothing
+    re-quantised), then PEFT's ``prepare_model_for_kbit_training`` with its checkpointing: the
+    QLoRA baseline's recipe."""
     from peft import prepare_model_for_kbit_training
 
     from lightning_sloth.quant import Linear4bit
 
-    model = quantized_base_model(workload)
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear4bit):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module.to_bnb_module(torch.bfloat16))
     model.is_loaded_in_4bit = True
-    model = prepare_model_for_kbit_training(
+    return prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
     )
+
+
+def _hf_bitsandbytes(workload: Workload):
+    """transformers + PEFT + bitsandbytes over the same NF4 weights (:func:`as_bitsandbytes`)."""
+    model = as_bitsandbytes(quantized_base_model(workload))
     return bench.build_model(workload, "sdpa", checkpointing=False, base=model)
 
 

@@ -10,20 +10,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_gpu import SEGMENTS, _Layer  # the same odd documents and attention stand-in
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_sloth.attention import set_varlen_kv_repeat, sloth_attention_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-SEGMENTS = [1, 129, 300, 77, 511, 3, 1003]
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, groups: int):
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.is_causal = True
 
 
 @pytest.fixture(autouse=True)
