@@ -139,7 +139,7 @@ def _fits(model, workload: bench.Workload, tokens: int) -> dict:
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "seconds": time.perf_counter() - start,
     }
-    print(json.dumps(result), flush=True)
+    print(json.dumps(result), file=sys.stderr, flush=True)
     return result
 
 
@@ -203,6 +203,16 @@ def run_one(args) -> dict:
     return result
 
 
+def _git_commit() -> str | None:
+    try:
+        return (
+            subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            or None
+        )
+    except OSError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama_3_1_8b", choices=sorted(SHAPES))
@@ -226,23 +236,39 @@ def main() -> None:
     parser.add_argument("--probe-seconds", type=float, default=240.0)
     parser.add_argument("--only", help=argparse.SUPPRESS)
     parser.add_argument("--out")
+    parser.add_argument(
+        "--git-commit", default=None, help="recorded with the results (default: git rev-parse HEAD)"
+    )
     args = parser.parse_args()
     if args.only:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return
+    commit = args.git_commit or _git_commit()
     results = []
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--only", name] + [
             f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k not in ("only", "out", "systems")
+            if k not in ("only", "out", "systems", "git_commit")
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, text=True
+        )  # stderr (probe lines too) passes through
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        result = json.loads(lines[-1][7:]) if lines else {"system": name, "error": proc.stderr[-2000:]}
+        result = (
+            json.loads(lines[-1][7:])
+            if lines
+            else {"system": name, "error": f"exit code {proc.returncode} (its stderr is in the run log)"}
+        )
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "workload"}), flush=True)
-        report = {"environment": bench.environment(), "shape": args.shape, "results": results}
+        report = {
+            "environment": bench.environment(),
+            "git_commit": commit,
+            "command": "python benchmarks/qlora_bench.py " + " ".join(sys.argv[1:]),
+            "shape": args.shape,
+            "results": results,
+        }
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(report, fh, indent=2)
