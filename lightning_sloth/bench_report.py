@@ -353,14 +353,13 @@ def _steps_of(record: dict, report: dict) -> tuple | None:
 
 
 def render_compact(reports: list[dict], sources: list[str], params: dict) -> str:
-    """Records of the argparse harnesses (end-to-end MoE, QLoRA): one row per system with real
-    tokens/s, median step, peak allocated, MFU (recounted where the file has it), loss, grad norm."""
-    rows, steps = [], []
+    """Records of the argparse harnesses (end-to-end MoE, QLoRA): one row per system (a system in
+    several sources keeps its last record) with real tokens/s, median step, peak allocated, MFU (recounted where the file has it), loss, grad norm."""
+    rows, steps = merged_results(reports), []  # a system measured again keeps its last record
     for report in reports:
         for record in report["results"]:
-            rows.append(record)
             pair = _steps_of(record, report)
-            if pair and pair not in steps:
+            if any(record is row for row in rows) and pair and pair not in steps:
                 steps.append(pair)
     header = ["system", "real tokens/s", "step", "peak allocated", "MFU", "loss first → last", "grad norm"]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
