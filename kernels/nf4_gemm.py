@@ -119,13 +119,15 @@ def _multiprocessors(device: torch.device) -> int:
     return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_KB, num_warps)`` for ``m`` rows: thin tiles for few rows."""
+def _tiles(m: int, itemsize: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_KB, num_warps)`` for ``m`` rows: thin tiles for few rows; float32
+    rows take half the ``N`` tile (128x128 float32 tiles, pipelined, need 256 KiB of shared memory
+    in the transposed product, more than an H100 has)."""
     if m <= 16:
         return 16, 64, 64, 4
     if m <= 64:
         return 64, 64, 64, 4
-    return 128, 128, 32, 8
+    return 128, 64 if itemsize == 4 else 128, 32, 8
 
 
 def _launch(a: torch.Tensor, m: int, outer: int, inner_steps: int, block_outer: int, out_cols: int, tiles):
@@ -163,7 +165,7 @@ def matmul_4bit(
     if m == 0:
         return x.new_empty(0, n)
     half_k = k // 2
-    tiles = _tiles(m)
+    tiles = _tiles(m, x.element_size())
     block_m, block_n, block_kb, _ = tiles
     out, grid, steps, warps = _launch(x, m, n, triton.cdiv(half_k, block_kb), block_n, n, tiles)
     launchable(_matmul_4bit_kernel)[grid](
@@ -191,7 +193,7 @@ def matmul_4bit_t(
     if m == 0:
         return dy.new_empty(0, k)
     half_k = k // 2
-    tiles = _tiles(m)
+    tiles = _tiles(m, dy.element_size())
     block_m, block_n, block_kb, _ = tiles
     out, grid, steps, warps = _launch(dy, m, half_k, triton.cdiv(n, block_n), block_kb, k, tiles)
     launchable(_matmul_4bit_t_kernel)[grid](
