@@ -499,6 +499,12 @@ def run_suite(cfg) -> dict:
 
     for name in names:
         resolve(name)  # unknown names fail before anything runs
+    commit = cfg.get("git_commit")
+    if commit is not None and not isinstance(commit, str):  # git_commit=982e255 reads as a float
+        raise ValueError(
+            f"git_commit={commit!r} was read as a {type(commit).__name__}, not a commit hash: quote it, "
+            "e.g. \"git_commit='982e255'\""
+        )
     workload = register_scenario(scenario)
     probe = {"kind": "probe", "probe_size": cfg["probe"]["size"], "probe_iters": cfg["probe"]["iters"]}
     timeout = float(cfg.get("system_timeout_s") or 3600)
@@ -508,7 +514,7 @@ def run_suite(cfg) -> dict:
             raise RuntimeError(f"matmul probe failed: {env.get('reason')}")
     else:
         env = probe_environment(probe["probe_size"], probe["probe_iters"])
-    env["git_commit"] = cfg.get("git_commit") or _git_commit()
+    env["git_commit"] = commit or _git_commit()
     tag = cfg.get("tag") or device_tag(env["device"])
     out = Path(cfg["out_dir"]) / f"bench_{scenario['name']}_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

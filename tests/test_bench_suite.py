@@ -159,6 +159,17 @@ def test_unknown_system_or_scenario_key_is_named(tmp_path):
         bench_suite.register_scenario({"name": "x", "shape": "tiny", "workload": {"token_per_step": 1}})
 
 
+def test_a_commit_hash_read_as_a_number_is_refused(tmp_path):
+    """Hydra reads git_commit=982e255 as the float 9.82e257; the run stops before measuring."""
+    with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=["scenario=tiny", f"out_dir={tmp_path}", "git_commit=982e255"]
+        )
+    with pytest.raises(ValueError, match="git_commit=9.82e.* was read as a float.*quote it"):
+        bench_suite.run_suite(cfg)
+    assert not list(tmp_path.iterdir())
+
+
 def test_device_tags():
     assert bench_suite.device_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert bench_suite.device_tag("NVIDIA H200") == "h200"
