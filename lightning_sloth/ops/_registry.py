@@ -107,23 +107,26 @@ def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callab
     """``op.register_autograd(backward, setup_context=...)``, plus the same formula for :func:`call`.
 
     The eager path is a ``torch.autograd.Function`` with the op's body as its forward and the very
-    ``setup_context``/``backward`` registered on the op, so both paths compute the same thing.
+    ``setup_context``/``backward`` registered on the op, so both paths compute the same thing. Its
+    forward takes ``ctx`` and calls ``setup_context`` itself: a Function that defines
+    ``setup_context`` has every ``apply`` bind its arguments through ``inspect.signature`` (tens of
+    microseconds of host time per call, per op, per layer), which this path exists to avoid. It
+    never runs under functorch transforms (:func:`call` sends those to the op).
     """
     op.register_autograd(backward, setup_context=setup_context)
     body = _EAGER[op._qualname]
 
-    def forward(*args):
-        return body(*args)
-
-    def eager_setup_context(ctx, inputs, output):
-        setup_context(ctx, inputs, output)
+    def forward(ctx, *args):
+        output = body(*args)
+        setup_context(ctx, args, output)
+        return output
 
     def eager_backward(ctx, *grads):
         return backward(ctx, *grads)
 
     # Named after the op, so its autograd node reads e.g. ``rms_norm_eagerBackward``.
     name = f"{op._qualname.split('::')[1]}_eager"
-    methods = {"forward": forward, "setup_context": eager_setup_context, "backward": eager_backward}
+    methods = {"forward": forward, "backward": eager_backward}
     _Eager = type(name, (torch.autograd.Function,), {k: staticmethod(v) for k, v in methods.items()})
     _EAGER[op._qualname] = _Eager.apply
 
