@@ -241,6 +241,51 @@ def test_fused_lora_forward_falls_back_when_disabled_or_merged():
     assert fused_lora_forward(nn.Linear(IN, OUT), x) is None
 
 
+def test_fused_lora_forward_decides_again_when_the_layer_changes():
+    """The plain-case decision is kept on the layer; every change of what it depends on, made after
+    a first fused call, takes effect on the next call (never a stale fused product)."""
+    model = get_peft_model(_Block(), LoraConfig(r=R, lora_alpha=8, target_modules=["proj"]))
+    model.add_adapter("other", LoraConfig(r=2 * R, lora_alpha=4, target_modules=["proj"]))
+    layer = model.base_model.model.proj
+    with torch.no_grad():
+        for adapter in ("default", "other"):
+            layer.lora_B[adapter].weight.normal_()
+    x = torch.randn(3, IN)
+
+    def fused_equals_peft():
+        got = fused_lora_forward(layer, x)
+        assert got is not None
+        torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+
+    fused_equals_peft()
+    layer.set_adapter("other")
+    fused_equals_peft()  # the other adapter's weights and scaling, not the cached ones
+    layer.set_adapter(["default", "other"])
+    assert fused_lora_forward(layer, x) is None
+    layer.set_adapter("default")
+    fused_equals_peft()
+    layer.scaling["default"] = 0.5  # PEFT's set_scale writes this dict
+    fused_equals_peft()
+    with model.disable_adapter():
+        assert fused_lora_forward(layer, x) is None
+    fused_equals_peft()
+    layer.merge(adapter_names=["default"])
+    assert fused_lora_forward(layer, x) is None
+    layer.unmerge()
+    fused_equals_peft()
+    layer.lora_dropout["default"] = nn.Dropout(0.1)
+    assert fused_lora_forward(layer, x) is None
+    layer.lora_dropout["default"] = nn.Identity()
+    fused_equals_peft()
+    layer.lora_B["default"] = nn.Linear(R, OUT, bias=True)  # a new module, with a bias
+    assert fused_lora_forward(layer, x) is None
+    layer.base_layer.weight.requires_grad_(True)  # full fine-tuning of the base: PEFT's path
+    layer.lora_B["default"] = nn.Linear(R, OUT, bias=False)
+    assert fused_lora_forward(layer, x) is None
+    layer.base_layer.weight.requires_grad_(False)
+    fused_equals_peft()
+
+
 def test_fused_lora_forward_compiles_without_graph_breaks():
     layer = _peft_layer()
     x = torch.randn(2, 9, IN)

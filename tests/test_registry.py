@@ -89,3 +89,26 @@ def test_eager_calls_skip_the_library_path_and_match_it_exactly():
     assert counter.get_flop_counts()["Global"][torch.ops.sloth.rms_norm] > 0
     compiled = torch.compile(lambda a, b: rms_norm(a, b, 1e-6), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x, weight), fast)
+
+
+def test_eager_calls_bind_no_signature(monkeypatch):
+    """An eager op call with autograd goes through the op's autograd.Function without binding its
+    arguments through inspect.signature (host time per call, per op, per layer), and its backward
+    is the op's registered formula."""
+    import inspect
+
+    from lightning_sloth.ops.rms_norm import rms_norm
+
+    x = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(8, requires_grad=True)
+    expected = rms_norm(x, weight, 1e-6)
+    (gx_expected, gw_expected) = torch.autograd.grad(expected.square().sum(), (x, weight))
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: calls.append(a) or real(*a, **k))
+    y = rms_norm(x, weight, 1e-6)
+    grads = torch.autograd.grad(y.square().sum(), (x, weight))
+    assert calls == []
+    assert y.grad_fn is not None and "rms_norm_eager" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    torch.testing.assert_close(grads, (gx_expected, gw_expected), rtol=0, atol=0)

@@ -240,26 +240,9 @@ def _plain_weight(tensor: Tensor) -> bool:
     return type(tensor) in (Tensor, nn.Parameter) and tensor.is_floating_point()
 
 
-def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = False) -> Tensor | None:
-    """Forward of a PEFT ``peft.tuners.lora.Linear`` through :func:`lora_linear`, or None to fall back.
-
-    Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
-    without bias, with a frozen unquantized weight, no dropout (``lora_dropout`` is ``Identity``), no
-    DoRA or other LoRA variant and no LoRA bias. Anything else returns None, and the caller runs the
-    module's own forward.
-
-    The product runs in the base layer's compute dtype: the autocast dtype under autocast (as
-    ``nn.Linear`` would), else the base weight's dtype (which x must have). Adapters stored in another
-    dtype (e.g. float32) are cast to it; their gradients flow back through the cast.
-
-    Args:
-        module: A ``peft.tuners.lora.Linear``.
-        x: ``[..., in]`` input.
-        overwrite_input: Passed to :func:`lora_linear` (x read by nothing else afterwards).
-
-    Returns:
-        ``[..., out]`` output, or None if the module is not in the plain case.
-    """
+def _plain_parts(module: nn.Module) -> tuple[str, nn.Linear, nn.Module, nn.Module] | None:
+    """``(adapter, base, lora_A, lora_B)`` of a ``lora.Linear`` in the plain case, else None (the
+    checks :func:`fused_lora_forward` documents, through PEFT's public attributes)."""
     if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
         return None
     if len(module.active_adapters) != 1:
@@ -275,8 +258,74 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
         return None
     if base.bias is not None or lora_b.bias is not None or lora_a.bias is not None:
         return None
-    weight = base.weight
-    if not _plain_weight(weight) or weight.requires_grad:
+    return adapter, base, lora_a, lora_b
+
+
+def _state_key(module: nn.Module) -> tuple | None:
+    """What the plain-case decision depends on, read from the module's own dicts (a few dict reads
+    instead of a dozen ``nn.Module.__getattr__`` and property calls, which cost more host time than
+    a small layer's products); None where PEFT's layer does not keep its state where expected."""
+    d = module.__dict__
+    modules = d.get("_modules")
+    if modules is None or not isinstance(module, LoraLinear):
+        return None
+    active = d.get("_active_adapter", LoraLinear._active_adapter)
+    active = (active,) if isinstance(active, str) else tuple(active)
+    dicts = [modules.get(name) for name in ("lora_A", "lora_B", "lora_dropout", "base_layer")]
+    if any(m is None for m in dicts):
+        return None
+    adapter = active[0] if len(active) == 1 else None
+    a, b, drop = (m._modules.get(adapter) for m in dicts[:3])
+    base = dicts[3]
+    return (
+        active,
+        d.get("_disable_adapters", LoraLinear._disable_adapters),
+        tuple(d.get("merged_adapters", LoraLinear.merged_adapters)),
+        bool(d.get("use_dora", {}).get(adapter, False)),
+        adapter in d.get("lora_variant", {}),
+        bool(d.get("fan_in_fan_out", False)),
+        a, b, drop, base,
+        a is not None and a._parameters.get("bias") is not None,
+        b is not None and b._parameters.get("bias") is not None,
+        base._parameters.get("bias") is not None,
+    )  # fmt: skip
+
+
+def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = False) -> Tensor | None:
+    """Forward of a PEFT ``peft.tuners.lora.Linear`` through :func:`lora_linear`, or None to fall back.
+
+    Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
+    without bias, with a frozen unquantized weight, no dropout (``lora_dropout`` is ``Identity``), no
+    DoRA or other LoRA variant and no LoRA bias. Anything else returns None, and the caller runs the
+    module's own forward. The decision is kept on the module with the state it was made from (active
+    adapter, enabled, merged, the adapter's modules and biases, DoRA/variant flags) and made again
+    when any of that changes; the base weight (type, frozen) and the scaling are read every call.
+
+    The product runs in the base layer's compute dtype: the autocast dtype under autocast (as
+    ``nn.Linear`` would), else the base weight's dtype (which x must have). Adapters stored in another
+    dtype (e.g. float32) are cast to it; their gradients flow back through the cast.
+
+    Args:
+        module: A ``peft.tuners.lora.Linear``.
+        x: ``[..., in]`` input.
+        overwrite_input: Passed to :func:`lora_linear` (x read by nothing else afterwards).
+
+    Returns:
+        ``[..., out]`` output, or None if the module is not in the plain case.
+    """
+    key = _state_key(module)
+    cached = module.__dict__.get("_sloth_plain_case") if key is not None else None
+    if cached is not None and cached[0] == key:
+        parts = cached[1]
+    else:
+        parts = _plain_parts(module)
+        if key is not None:
+            module.__dict__["_sloth_plain_case"] = (key, parts)
+    if parts is None:
+        return None
+    adapter, base, lora_a, lora_b = parts
+    weight = base._parameters.get("weight")
+    if weight is None or not _plain_weight(weight) or weight.requires_grad:
         return None
 
     device_type = x.device.type
@@ -286,11 +335,14 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
         dtype = weight.dtype
     else:
         return None
-    return lora_linear(
-        x.to(dtype),
-        weight.to(dtype),
-        lora_a.weight.to(dtype),
-        lora_b.weight.to(dtype),
-        module.scaling[adapter],
-        overwrite_input=overwrite_input,
-    )
+    a, b = lora_a._parameters["weight"], lora_b._parameters["weight"]
+    if x.device != weight.device or a.device != weight.device or b.device != weight.device:
+        raise ValueError(
+            f"x, the base weight, lora_A and lora_B of this LoRA layer must be on one device, got "
+            f"{x.device}, {weight.device}, {a.device}, {b.device}"
+        )
+    scale = module.__dict__["scaling"][adapter] if "scaling" in module.__dict__ else module.scaling[adapter]
+    # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
+    tensors = [t if t.dtype == dtype else t.to(dtype) for t in (x, weight, a, b)]
+    y, _ = call(_lora_linear_op, *tensors, float(scale), overwrite_input)
+    return y
