@@ -247,6 +247,30 @@ def test_compiled_layers_inside_the_checkpoint():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compile_arg", [True, {"mode": "default"}])
+def test_transform_model_compile_true_compiles_the_checkpointed_layers(compile_arg, monkeypatch):
+    """compile=True (Hydra's sloth.compile=true) compiles every checkpointed layer: it once reached
+    the layer runner as an empty dict of options, which read as "off" and compiled nothing."""
+    from lightning_sloth.offload import checkpoint as checkpoint_module
+    from lightning_sloth.plugins.strategy import transform_model
+
+    requested = []
+
+    real_compile = torch.compile
+
+    def fake_compile(fn, **options):
+        if fn is not checkpoint_module._call_layer:
+            return real_compile(fn, **options)
+        requested.append(options)
+        return fn
+
+    monkeypatch.setattr(checkpoint_module.torch, "compile", fake_compile)
+    report = transform_model(tiny_llama(), kernels=False, compile=compile_arg)
+    assert "regional compile" in report.applied
+    assert report.checkpointing._compiled is not None
+    assert requested == [compile_arg if isinstance(compile_arg, dict) else {}]
+
+
 def test_single_process_ddp():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel

@@ -99,7 +99,8 @@ class CheckpointedLayers:
         # One compiled entry shared by all layers: they run the same code, so Dynamo builds one
         # graph (module parameters are graph inputs), and the checkpoint and hooks stay eager.
         options = compile_layers if isinstance(compile_layers, dict) else {}
-        self._compiled = torch.compile(_call_layer, **options) if compile_layers else None
+        compiled = compile_layers is True or isinstance(compile_layers, dict)  # {}: default options
+        self._compiled = torch.compile(_call_layer, **options) if compiled else None
 
     def _leanest_plan(self) -> list[LayerMode]:
         if self.offloader is None:

@@ -313,14 +313,17 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
     Returns:
         ``[..., out]`` output, or None if the module is not in the plain case.
     """
-    key = _state_key(module)
-    cached = module.__dict__.get("_sloth_plain_case") if key is not None else None
-    if cached is not None and cached[0] == key:
-        parts = cached[1]
-    else:
+    if torch.compiler.is_compiling():  # traced once, costs nothing per call; no guards on a cache
         parts = _plain_parts(module)
-        if key is not None:
-            module.__dict__["_sloth_plain_case"] = (key, parts)
+    else:
+        key = _state_key(module)
+        cached = module.__dict__.get("_sloth_plain_case") if key is not None else None
+        if cached is not None and cached[0] == key:
+            parts = cached[1]
+        else:
+            parts = _plain_parts(module)
+            if key is not None:
+                module.__dict__["_sloth_plain_case"] = (key, parts)
     if parts is None:
         return None
     adapter, base, lora_a, lora_b = parts
