@@ -34,7 +34,7 @@ def per_call_us(fn, calls: int, blocks: int, sync) -> float:
     return best
 
 
-def step_host_ms(device: torch.device, sync, blocks: int) -> float:
+def step_host_ms(device: torch.device, sync, blocks: int, checkpoint_impl: str = "torch") -> float:
     """Best mean time of a training step of a model too thin for its products to matter."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -50,7 +50,7 @@ def step_host_ms(device: torch.device, sync, blocks: int) -> float:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     model.to(device)
-    transform_model(model, kernels=True)
+    transform_model(model, kernels=True, checkpoint_impl=checkpoint_impl)
     gen = torch.Generator().manual_seed(1)
     samples = [(ids := torch.randint(3, 256, (n,), generator=gen).tolist(), ids) for n in (40, 30, 20, 38)]
     batch = PackedCollator(max_tokens=128, pad_token_id=0)(samples)
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:42s} {us:8.1f} us")
     step_ms = step_host_ms(device, sync, args.blocks)
     print(f"{'tiny 16-layer LoRA step (kernels=True)':42s} {step_ms:8.1f} ms")
+    node_ms = step_host_ms(device, sync, args.blocks, checkpoint_impl="node")
+    print(f"{'the same, checkpoint_impl=node':42s} {node_ms:8.1f} ms")
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__,
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         "blocks": args.blocks,
         "per_call_us": results,
         "tiny_step_ms": step_ms,
+        "tiny_step_node_checkpoint_ms": node_ms,
         "tiny_step": "Llama, 16 layers, hidden 64, 4/1 heads, LoRA r=4 on all seven projections, "
         "transform_model(kernels=True), one packed row of 128 tokens (4 documents), forward + "
         "backward (checkpointed) + AdamW; best of the blocks of 10 steps",

@@ -29,6 +29,9 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
     sloth_kernels_add_rms_norm       every kernel + the residual add fused into the next norm
                                      (``kernels={"add_rms_norm": True}``, opt-in).
     sloth_kernels_host_gap           both of the above.
+    sloth_kernels_node_checkpoint    every kernel, each checkpointed layer one autograd node
+                                     (``checkpoint_impl="node"``, opt-in) instead of torch's
+                                     hook-based checkpoint.
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -317,6 +320,11 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_host_gap": SuiteSystem(
         "lightning_sloth + both opt-in host-gap changes",
         _sloth_host_gap,
+        bench._packed_batches,
+    ),
+    "sloth_kernels_node_checkpoint": SuiteSystem(
+        "lightning_sloth + each checkpointed layer one autograd node (opt-in)",
+        bench._sloth(kernels=True, checkpoint_impl="node"),
         bench._packed_batches,
     ),
 }

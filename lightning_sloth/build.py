@@ -260,6 +260,7 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
         "memory_budget": int(budget) if budget is not None and budget != "auto" else budget,
         "compile": (compile_options or True) if sloth.compile else False,
         "moe": sloth.moe,
+        "checkpoint_impl": sloth.checkpoint_impl,
     }
 
 

@@ -299,6 +299,8 @@ class SlothConfig:
         compile_options: keyword arguments for ``torch.compile`` (``mode``, ``dynamic``...).
         moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
             ``lightning_sloth.moe``; ``false`` keeps transformers' experts implementation.
+        checkpoint_impl: ``torch`` (torch's non-reentrant checkpoint per layer) or ``node`` (each
+            checkpointed layer one autograd node: less host time per layer).
     """
 
     packed_attention: bool = True
@@ -310,6 +312,7 @@ class SlothConfig:
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
     moe: bool = True
+    checkpoint_impl: str = "torch"
 
 
 @dataclass
@@ -524,6 +527,8 @@ def _check_sloth(sloth: DictConfig, errors: list[str]) -> None:
         errors.append(
             "sloth.offload: needs sloth.gradient_checkpointing=true (it offloads checkpointed inputs)"
         )
+    if sloth.get("checkpoint_impl", "torch") not in ("torch", "node"):
+        errors.append(f"sloth.checkpoint_impl: must be 'torch' or 'node', got {sloth.checkpoint_impl!r}")
 
 
 def _check_optimizer(optimizer: DictConfig, errors: list[str]) -> None:

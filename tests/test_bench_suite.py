@@ -22,6 +22,7 @@ PACKED = [
     "sloth_trainer",
     "sloth_kernels",
     "sloth_kernels_metadata_per_layer",
+    "sloth_kernels_node_checkpoint",
 ]
 
 

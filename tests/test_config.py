@@ -179,6 +179,7 @@ def test_unknown_group_option_lists_the_options(hydra_conf):
             ["sloth.offload=on", "sloth.gradient_checkpointing=false"],
             "sloth.offload: needs sloth.gradient_checkpointing=true",
         ),
+        (["sloth.checkpoint_impl=reentrant"], "sloth.checkpoint_impl: must be 'torch' or 'node'"),
         (["resume=''"], "resume: must be 'auto', a checkpoint path or null"),
     ],
 )
@@ -259,6 +260,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "memory_budget": None,
         "compile": False,
         "moe": True,
+        "checkpoint_impl": "torch",
     }
     assert build.sloth_settings(make("sloth=off").sloth) == {
         "packed_attention": False,
@@ -268,6 +270,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "memory_budget": None,
         "compile": False,
         "moe": False,
+        "checkpoint_impl": "torch",
     }
     tuned = make(
         "sloth.kernels=on",
@@ -293,6 +296,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         {"dynamic": False},
     )
     assert build.sloth_settings(make("sloth.kernels=on").sloth)["kernels"] is True  # the default set
+    assert build.sloth_settings(make("sloth.checkpoint_impl=node").sloth)["checkpoint_impl"] == "node"
     assert build.sloth_settings(make("sloth.kernels=on", "sloth.kernel_ops.add_rms_norm=true").sloth)[
         "kernels"
     ] == dict.fromkeys(["rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm"], True)

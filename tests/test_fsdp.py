@@ -153,6 +153,13 @@ def test_one_device_is_refused_with_a_clear_error():
         Trainer(accelerator="cpu", devices=1, strategy="sloth_fsdp", logger=False)
 
 
+def test_node_checkpoint_is_refused_under_fsdp():
+    from lightning_sloth.plugins import SlothFSDPStrategy
+
+    with pytest.raises(ValueError, match="sloth_fsdp takes checkpoint_impl='torch' only"):
+        SlothFSDPStrategy(checkpoint_impl="node")
+
+
 def test_sharding_without_a_process_group_is_refused():
     model = _fsdp.tiny_model("llama", 50)
     with pytest.raises(ShardingError, match="initialised torch.distributed process group"):

@@ -17,4 +17,4 @@ def test_host_calls_writes_every_case(tmp_path):
     report = host_calls.main(["--device", "cpu", "--calls", "8", "--blocks", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert len(report["per_call_us"]) == 4 and all(v > 0 for v in report["per_call_us"].values())
-    assert report["tiny_step_ms"] > 0 and report["torch"]
+    assert report["tiny_step_ms"] > 0 and report["tiny_step_node_checkpoint_ms"] > 0 and report["torch"]

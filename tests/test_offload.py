@@ -271,7 +271,90 @@ def test_transform_model_compile_true_compiles_the_checkpointed_layers(compile_a
     assert requested == [compile_arg if isinstance(compile_arg, dict) else {}]
 
 
-def test_single_process_ddp():
+def _spy_torch_checkpoint(monkeypatch) -> list:
+    from lightning_sloth.offload import checkpoint as checkpoint_module
+
+    calls = []
+    real = checkpoint_module.checkpoint
+    monkeypatch.setattr(checkpoint_module, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("with_offload", [False, True])
+def test_node_checkpoint_gives_torch_checkpoints_gradients(lora, with_offload, monkeypatch):
+    """checkpoint_impl="node": the same gradients, bit for bit, as torch's checkpoint (full and LoRA:
+    the first layer's adapters train though its input needs no gradient), the offloader moving the
+    same inputs, and torch's checkpoint never called."""
+    inputs = batch()
+    make = (lambda: add_lora(tiny_llama())) if lora else tiny_llama
+    model = make()
+    apply_checkpointing(model, offloader=cpu_offloader() if with_offload else None)
+    want = step_grads(model, inputs)
+    calls = _spy_torch_checkpoint(monkeypatch)
+    model = make()
+    offloader = cpu_offloader() if with_offload else None
+    apply_checkpointing(model, offloader=offloader, checkpoint_impl="node")
+    for _ in range(2):
+        assert_bitwise(step_grads(model, inputs), want)
+    assert calls == []
+    if lora:  # the first layer's input needs no gradient; its adapters still get theirs
+        assert any("layers.0." in n and "lora_A" in n and want[n].abs().sum() > 0 for n in want)
+    if with_offload:
+        assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+
+
+def test_node_checkpoint_recomputes_under_the_forwards_autocast():
+    """The backward runs outside autocast; the node's recompute re-enters the forward's bf16 autocast,
+    so the gradients equal torch's checkpoint's (which does the same) bit for bit."""
+    inputs = batch()
+    grads = []
+    for impl in ("torch", "node"):
+        model = add_lora(tiny_llama())
+        apply_checkpointing(model, checkpoint_impl=impl)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_bitwise(grads[1], grads[0])
+
+
+def test_node_checkpoint_replays_dropout(monkeypatch):
+    """Attention dropout draws random masks: the node replays the forward's random state in its
+    recompute, as torch's checkpoint does, so both give the same gradients bit for bit (and a
+    recompute with fresh masks would not)."""
+    inputs = batch()
+    grads = []
+    for impl in ("torch", "node"):
+        model = tiny_llama(attention_dropout=0.3)
+        apply_checkpointing(model, checkpoint_impl=impl)
+        torch.manual_seed(5)
+        grads.append(step_grads(model, inputs))
+    assert_bitwise(grads[1], grads[0])
+    model = tiny_llama(attention_dropout=0.3)
+    apply_checkpointing(model, checkpoint_impl="node")
+    monkeypatch.setattr(torch, "set_rng_state", lambda state: None)  # no replay: other masks
+    torch.manual_seed(5)
+    fresh = step_grads(model, inputs)
+    assert any(not torch.equal(fresh[n], grads[0][n]) for n in fresh)
+    with pytest.raises(ValueError, match="checkpoint_impl must be one of"):
+        apply_checkpointing(tiny_llama(), checkpoint_impl="reentrant")
+
+
+def test_node_checkpoint_sends_keyword_tensors_needing_grad_to_torchs():
+    from functools import partial
+
+    from lightning_sloth.offload.checkpoint import CheckpointedLayers
+
+    needs = torch.ones(2, requires_grad=True)
+    assert CheckpointedLayers._node_fits(partial(torch.add, other=torch.ones(2)))
+    assert not CheckpointedLayers._node_fits(partial(torch.add, other=needs))
+    assert not CheckpointedLayers._node_fits(partial(lambda f, x: f(x), partial(torch.add, other=needs)))
+
+
+@pytest.mark.parametrize("impl", ["torch", "node"])
+def test_single_process_ddp(impl):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -280,10 +363,12 @@ def test_single_process_ddp():
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", world_size=1, rank=0)
     try:
         model = tiny_llama()
-        apply_checkpointing(model, offloader=cpu_offloader())
+        apply_checkpointing(model, offloader=cpu_offloader(), checkpoint_impl=impl)
         ddp = DistributedDataParallel(model)
-        ddp(**inputs).loss.backward()
-        assert_bitwise({n: p.grad for n, p in model.named_parameters()}, plain)
+        for _ in range(2):  # DDP's reducer must see every gradient in each step's (nested) backward
+            model.zero_grad(set_to_none=True)
+            ddp(**inputs).loss.backward()
+            assert_bitwise({n: p.grad for n, p in model.named_parameters()}, plain)
     finally:
         dist.destroy_process_group()
 

@@ -4,10 +4,20 @@ Every decoder layer runs under non-reentrant activation checkpointing. The offlo
 saved-tensor hooks wrap the checkpoint call, so they see only what the checkpoint keeps for the
 backward: the layer's input. (Inside a checkpoint the innermost hooks win, so hooks installed
 there would silently turn recomputation off; they are never installed there.)
+
+``checkpoint_impl="node"`` runs each layer's checkpoint as one autograd node instead
+(:class:`_LayerNode`): the forward runs without a graph and saves only the layer's inputs; the
+node's backward runs the layer again with the forward's autocast state and back-propagates through
+it. torch's non-reentrant checkpoint packs and unpacks every tensor the layer's graph saves
+through Python hooks, host time that a host-bound step pays per layer, twice; the node pays one
+``apply`` and one nested backward. Like torch's checkpoint it replays the forward's random state
+(CPU, and the CUDA device of the inputs), so dropout draws the same masks. A layer called with a
+keyword tensor that needs a gradient takes torch's checkpoint (the node would give it none).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Sequence
@@ -22,6 +32,66 @@ from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
 
 log = logging.getLogger(__name__)
+
+
+CheckpointImpl = Literal["torch", "node"]
+
+_AUTOCAST_DEVICES = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
+
+
+class _LayerNode(torch.autograd.Function):
+    """One checkpointed layer as one autograd node (see the module notes).
+
+    ``forward(ctx, run, anchor, *args)``: ``run(*args)`` without a graph; ``anchor`` is a leaf that
+    needs a gradient, so the node joins the graph even when no input needs one (the first layer of
+    a LoRA model, whose input is a frozen embedding's output).
+    """
+
+    @staticmethod
+    def forward(ctx, run, anchor, *args):
+        ctx.run = run
+        ctx.is_tensor = [isinstance(a, Tensor) for a in args]
+        ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
+        ctx.needs = [isinstance(a, Tensor) and a.requires_grad for a in args]
+        ctx.autocast = [
+            (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+        ]
+        ctx.autocast_cache = torch.is_autocast_cache_enabled()
+        cuda = next((a.device for a in args if isinstance(a, Tensor) and a.is_cuda), None)
+        ctx.rng = (cuda, torch.get_rng_state(), torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+        ctx.save_for_backward(*[a for a in args if isinstance(a, Tensor)])  # the offloader sees these
+        with torch.no_grad():
+            return run(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        args = [
+            next(saved).detach().requires_grad_(need) if is_tensor else other
+            for is_tensor, other, need in zip(ctx.is_tensor, ctx.others, ctx.needs)
+        ]
+        cuda, cpu_state, cuda_state = ctx.rng
+        with (
+            torch.random.fork_rng(devices=[cuda] if cuda is not None else [], device_type="cuda"),
+            torch.enable_grad(),
+            contextlib.ExitStack() as stack,
+        ):
+            torch.set_rng_state(cpu_state)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda_state, cuda)
+            for device, enabled, dtype in ctx.autocast:
+                stack.enter_context(
+                    torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=ctx.autocast_cache)
+                )
+            out = ctx.run(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [
+            (o, g) for o, g in zip(outs, grads) if isinstance(o, Tensor) and o.requires_grad and g is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [a.grad if need else None for a, need in zip(args, ctx.needs)]
+        return (None, None, *input_grads)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -82,9 +152,16 @@ class CheckpointedLayers:
         plan: Sequence[LayerMode] | None,
         memory_budget: int | Literal["auto"] | None,
         compile_layers: bool | dict[str, Any] = False,
+        checkpoint_impl: CheckpointImpl = "torch",
     ) -> None:
+        if checkpoint_impl not in get_args(CheckpointImpl):
+            raise ValueError(
+                f"checkpoint_impl must be one of {get_args(CheckpointImpl)}, got {checkpoint_impl!r}"
+            )
         self.model = model
         self.layers = list(find_decoder_layers(model))
+        self.checkpoint_impl: CheckpointImpl = checkpoint_impl
+        self._anchor = torch.ones((), requires_grad=True)
         self.offloader = offloader if offloader is not None and offloader.enabled else None
         if plan is not None and memory_budget is not None:
             raise ValueError("apply_checkpointing takes a plan or a memory_budget, not both")
@@ -132,10 +209,22 @@ class CheckpointedLayers:
         mode = self.plan[index] if torch.is_grad_enabled() else "keep"
         if mode == "keep":
             return forward(*args)
+        node = self.checkpoint_impl == "node" and self._node_fits(forward)
+        run = self._checkpoint_node if node else checkpoint
         if self.offloader is None:
-            return checkpoint(forward, *args, use_reentrant=False)
+            return run(forward, *args, use_reentrant=False)
         with self.offloader.saved_tensors_hooks(offload=mode == "offload"):
-            return checkpoint(forward, *args, use_reentrant=False)
+            return run(forward, *args, use_reentrant=False)
+
+    def _checkpoint_node(self, forward, *args: Any, use_reentrant: bool = False) -> Any:
+        return _LayerNode.apply(forward, self._anchor, *args)
+
+    @staticmethod
+    def _node_fits(forward) -> bool:
+        """Keyword tensors that need a gradient would get none through the node: torch's checkpoint."""
+        inner = forward.args[0] if isinstance(forward, partial) and forward.args else forward
+        keywords = [*_keywords(forward), *_keywords(inner)]
+        return not any(t.requires_grad for t in _tensors(keywords))
 
     def _measure(self, index: int, forward, args: tuple) -> None:
         if index == 0:
@@ -241,6 +330,10 @@ def _call_layer(forward, *args: Any) -> Any:
     return forward(*args)
 
 
+def _keywords(fn) -> list[Any]:
+    return list(fn.keywords.values()) if isinstance(fn, partial) else []
+
+
 def _tensors(values) -> list[Tensor]:
     out = []
     for value in values:
@@ -258,6 +351,7 @@ def apply_checkpointing(
     plan: Sequence[LayerMode] | None = None,
     memory_budget: int | Literal["auto"] | None = None,
     compile_layers: bool | dict[str, Any] = False,
+    checkpoint_impl: CheckpointImpl = "torch",
 ) -> CheckpointedLayers:
     """Checkpoint every decoder layer of a transformers model, wrapped by the offloader's hooks.
 
@@ -283,11 +377,13 @@ def apply_checkpointing(
             every layer and then :func:`plan_layers` decides per layer. Excludes ``plan``.
         compile_layers: compile each layer's computation with ``torch.compile`` (``True``, or
             a dict of ``torch.compile`` keyword arguments).
+        checkpoint_impl: ``"torch"`` (torch's non-reentrant checkpoint) or ``"node"`` (each layer
+            one autograd node, less host time per layer; see the module notes).
 
     Returns:
         The :class:`CheckpointedLayers` controller (plan, measurements, ``remove()``).
     """
-    controller = CheckpointedLayers(model, offloader, plan, memory_budget, compile_layers)
+    controller = CheckpointedLayers(model, offloader, plan, memory_budget, compile_layers, checkpoint_impl)
     for index, layer in enumerate(controller.layers):
         layer = _unwrap(layer)
         layer.gradient_checkpointing = True

@@ -69,6 +69,7 @@ def transform_model(
     memory_budget: int | str | None = None,
     compile: bool | dict = False,
     moe: bool = True,
+    checkpoint_impl: str = "torch",
 ) -> SlothReport:
     """Apply lightning_sloth's transformations to a transformers model, in place.
 
@@ -89,6 +90,9 @@ def transform_model(
         moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
             ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
             ``False`` keeps transformers' experts implementation. Dense models ignore it.
+        checkpoint_impl: ``"torch"`` (torch's non-reentrant checkpoint per layer) or ``"node"``
+            (each checkpointed layer one autograd node: less host time per layer; see
+            ``lightning_sloth.offload.checkpoint``).
     """
     report = SlothReport()
     hf_model = find_hf_model(model)
@@ -132,6 +136,7 @@ def transform_model(
             memory_budget=memory_budget,
             # True or the kwargs: an empty dict (compile=True) would read as "off" (a falsy value).
             compile_layers=(compile_kwargs or True) if compile_kwargs is not None else False,
+            checkpoint_impl=checkpoint_impl,
         )
         report.applied.append("activation checkpointing" + (" + memory plan" if memory_budget else ""))
     elif compile_kwargs is not None:
@@ -159,6 +164,7 @@ class _SlothSetup:
         memory_budget: int | str | None = None,
         compile: bool | dict = False,
         moe: bool = True,
+        checkpoint_impl: str = "torch",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -170,6 +176,7 @@ class _SlothSetup:
             memory_budget=memory_budget,
             compile=compile,
             moe=moe,
+            checkpoint_impl=checkpoint_impl,
         )
         self.offloader = None
         self.sloth_report: SlothReport | None = None
@@ -218,6 +225,7 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: regional ``torch.compile`` of each decoder layer (``True`` or compile kwargs).
         moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own).
+        checkpoint_impl: ``"torch"`` or ``"node"`` (each checkpointed layer one autograd node).
         device: the device; by default the one the Trainer's accelerator picks.
 
     See :func:`transform_model` for the order the transformations are applied in.
@@ -340,6 +348,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        if self.sloth_settings["checkpoint_impl"] != "torch":
+            # The node re-enters the layer (and FSDP2's unshard/reduce-scatter hooks) inside a
+            # backward; not tested under sharding, so not offered there.
+            raise ValueError(
+                "sloth_fsdp takes checkpoint_impl='torch' only; checkpoint_impl="
+                f"{self.sloth_settings['checkpoint_impl']!r} is for one device and DDP"
+            )
         self._start_method = start_method
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
