@@ -78,6 +78,36 @@ def test_gradients_bitwise_equal_to_plain_checkpointing(dtype):
         assert stats["prefetched" if double_buffer else "fetched_on_demand"] == 6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_node_checkpoint_bitwise_equal_and_offloads_on_cuda(dtype):
+    """checkpoint_impl="node" on CUDA: torch's checkpoint's gradients bit for bit, with and without
+    double-buffered offload (the side stream, the events, the prefetch order), and under bf16
+    autocast."""
+    ids = torch.randint(0, 1024, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    model = causal_lm(dtype)
+    apply_checkpointing(model)
+    want = step_grads(model, ids)
+    input_bytes = ids.numel() * 256 * torch.finfo(dtype).bits // 8
+    for offloader in (None, ActivationOffloader("on", min_offload_bytes=1)):
+        model = causal_lm(dtype)
+        apply_checkpointing(model, offloader=offloader, checkpoint_impl="node")
+        for _ in range(2):
+            assert_bitwise(step_grads(model, ids), want)
+        if offloader is not None:
+            stats = offloader.stats()
+            assert stats["offloaded_bytes_per_step"] == 3 * input_bytes and stats["prefetched"] == 6
+    grads = []
+    for impl in ("torch", "node"):
+        model = causal_lm(torch.float32)
+        apply_checkpointing(model, checkpoint_impl=impl)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert_bitwise(grads[1], grads[0])
+
+
 def test_auto_policy_falls_back_to_single_buffer_without_room():
     ids = torch.randint(0, 1024, (1, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     model = causal_lm(torch.float32)
