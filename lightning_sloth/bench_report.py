@@ -354,7 +354,8 @@ def _steps_of(record: dict, report: dict) -> tuple | None:
 
 def render_compact(reports: list[dict], sources: list[str], params: dict) -> str:
     """Records of the argparse harnesses (end-to-end MoE, QLoRA): one row per system (a system in
-    several sources keeps its last record) with real tokens/s, median step, peak allocated, MFU (recounted where the file has it), loss, grad norm."""
+    several sources keeps its last record) with real tokens/s, median step, peak allocated, MFU
+    (recounted where the file has it), loss, grad norm."""
     rows, steps = merged_results(reports), []  # a system measured again keeps its last record
     for report in reports:
         for record in report["results"]:

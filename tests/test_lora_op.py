@@ -242,8 +242,8 @@ def test_fused_lora_forward_falls_back_when_disabled_or_merged():
 
 
 def test_fused_lora_forward_decides_again_when_the_layer_changes():
-    """The plain-case decision is kept on the layer; every change of what it depends on, made after
-    a first fused call, takes effect on the next call (never a stale fused product)."""
+    """Every change of what the plain-case decision depends on, made after a first fused call, takes
+    effect on the next call (never a stale fused product)."""
     model = get_peft_model(_Block(), LoraConfig(r=R, lora_alpha=8, target_modules=["proj"]))
     model.add_adapter("other", LoraConfig(r=2 * R, lora_alpha=4, target_modules=["proj"]))
     layer = model.base_model.model.proj

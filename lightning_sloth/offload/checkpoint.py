@@ -209,15 +209,15 @@ class CheckpointedLayers:
         mode = self.plan[index] if torch.is_grad_enabled() else "keep"
         if mode == "keep":
             return forward(*args)
-        node = self.checkpoint_impl == "node" and self._node_fits(forward)
-        run = self._checkpoint_node if node else checkpoint
         if self.offloader is None:
-            return run(forward, *args, use_reentrant=False)
+            return self._checkpoint(forward, args)
         with self.offloader.saved_tensors_hooks(offload=mode == "offload"):
-            return run(forward, *args, use_reentrant=False)
+            return self._checkpoint(forward, args)
 
-    def _checkpoint_node(self, forward, *args: Any, use_reentrant: bool = False) -> Any:
-        return _LayerNode.apply(forward, self._anchor, *args)
+    def _checkpoint(self, forward, args: tuple) -> Any:
+        if self.checkpoint_impl == "node" and self._node_fits(forward):
+            return _LayerNode.apply(forward, self._anchor, *args)
+        return checkpoint(forward, *args, use_reentrant=False)
 
     @staticmethod
     def _node_fits(forward) -> bool:

@@ -242,53 +242,38 @@ def _plain_weight(tensor: Tensor) -> bool:
 
 def _plain_parts(module: nn.Module) -> tuple[str, nn.Linear, nn.Module, nn.Module] | None:
     """``(adapter, base, lora_A, lora_B)`` of a ``lora.Linear`` in the plain case, else None (the
-    checks :func:`fused_lora_forward` documents, through PEFT's public attributes)."""
-    if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
+    checks :func:`fused_lora_forward` documents).
+
+    PEFT's state is read from the layer's own dicts: its properties and ``nn.Module.__getattr__``
+    cost more host time per call than a small layer's products.
+    """
+    if not isinstance(module, LoraLinear):
         return None
-    if len(module.active_adapters) != 1:
+    d = module.__dict__
+    adapter = d.get("_active_adapter", LoraLinear._active_adapter)
+    if not isinstance(adapter, str):
+        if len(adapter) != 1:
+            return None
+        adapter = adapter[0]
+    if d.get("_disable_adapters", False) or d.get("merged_adapters") or d.get("fan_in_fan_out", False):
         return None
-    adapter = module.active_adapters[0]
-    if adapter not in module.lora_A or adapter in getattr(module, "lora_variant", {}):
+    if d.get("use_dora", {}).get(adapter, False) or adapter in d.get("lora_variant", {}):
         return None
-    if module.use_dora.get(adapter, False) or getattr(module, "fan_in_fan_out", False):
+    modules = d["_modules"]
+    lora_a = modules["lora_A"]._modules.get(adapter)
+    lora_b = modules["lora_B"]._modules.get(adapter)
+    if lora_a is None or lora_b is None:
         return None
-    base = module.get_base_layer()
-    lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
-    if not isinstance(module.lora_dropout[adapter], nn.Identity) or not isinstance(base, nn.Linear):
+    if not isinstance(modules["lora_dropout"]._modules.get(adapter), nn.Identity):
         return None
-    if base.bias is not None or lora_b.bias is not None or lora_a.bias is not None:
+    base = modules["base_layer"]
+    while "base_layer" in base._modules:  # a tuner layer around another (PEFT's get_base_layer)
+        base = base._modules["base_layer"]
+    if not isinstance(base, nn.Linear) or any(
+        m._parameters.get("bias") is not None for m in (base, lora_a, lora_b)
+    ):
         return None
     return adapter, base, lora_a, lora_b
-
-
-def _state_key(module: nn.Module) -> tuple | None:
-    """What the plain-case decision depends on, read from the module's own dicts (a few dict reads
-    instead of a dozen ``nn.Module.__getattr__`` and property calls, which cost more host time than
-    a small layer's products); None where PEFT's layer does not keep its state where expected."""
-    d = module.__dict__
-    modules = d.get("_modules")
-    if modules is None or not isinstance(module, LoraLinear):
-        return None
-    active = d.get("_active_adapter", LoraLinear._active_adapter)
-    active = (active,) if isinstance(active, str) else tuple(active)
-    dicts = [modules.get(name) for name in ("lora_A", "lora_B", "lora_dropout", "base_layer")]
-    if any(m is None for m in dicts):
-        return None
-    adapter = active[0] if len(active) == 1 else None
-    a, b, drop = (m._modules.get(adapter) for m in dicts[:3])
-    base = dicts[3]
-    return (
-        active,
-        d.get("_disable_adapters", LoraLinear._disable_adapters),
-        tuple(d.get("merged_adapters", LoraLinear.merged_adapters)),
-        bool(d.get("use_dora", {}).get(adapter, False)),
-        adapter in d.get("lora_variant", {}),
-        bool(d.get("fan_in_fan_out", False)),
-        a, b, drop, base,
-        a is not None and a._parameters.get("bias") is not None,
-        b is not None and b._parameters.get("bias") is not None,
-        base._parameters.get("bias") is not None,
-    )  # fmt: skip
 
 
 def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = False) -> Tensor | None:
@@ -297,9 +282,7 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
     Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
     without bias, with a frozen unquantized weight, no dropout (``lora_dropout`` is ``Identity``), no
     DoRA or other LoRA variant and no LoRA bias. Anything else returns None, and the caller runs the
-    module's own forward. The decision is kept on the module with the state it was made from (active
-    adapter, enabled, merged, the adapter's modules and biases, DoRA/variant flags) and made again
-    when any of that changes; the base weight (type, frozen) and the scaling are read every call.
+    module's own forward. Every call checks the layer's state afresh.
 
     The product runs in the base layer's compute dtype: the autocast dtype under autocast (as
     ``nn.Linear`` would), else the base weight's dtype (which x must have). Adapters stored in another
@@ -313,17 +296,7 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
     Returns:
         ``[..., out]`` output, or None if the module is not in the plain case.
     """
-    if torch.compiler.is_compiling():  # traced once, costs nothing per call; no guards on a cache
-        parts = _plain_parts(module)
-    else:
-        key = _state_key(module)
-        cached = module.__dict__.get("_sloth_plain_case") if key is not None else None
-        if cached is not None and cached[0] == key:
-            parts = cached[1]
-        else:
-            parts = _plain_parts(module)
-            if key is not None:
-                module.__dict__["_sloth_plain_case"] = (key, parts)
+    parts = _plain_parts(module)
     if parts is None:
         return None
     adapter, base, lora_a, lora_b = parts
