@@ -205,6 +205,13 @@ def _sloth_host_gap(workload: Workload):
     return bench._sloth(kernels={"add_rms_norm": True})(workload)
 
 
+def _sloth_host_gap_node(workload: Workload):
+    from lightning_sloth.attention import set_varlen_kv_repeat
+
+    set_varlen_kv_repeat(False)
+    return bench._sloth(kernels={"add_rms_norm": True}, checkpoint_impl="node")(workload)
+
+
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
     """The packed steps as :class:`~lightning_sloth.data.PackedBatch` objects, as a DataLoader yields them."""
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
@@ -320,6 +327,11 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_host_gap": SuiteSystem(
         "lightning_sloth + both opt-in host-gap changes",
         _sloth_host_gap,
+        bench._packed_batches,
+    ),
+    "sloth_kernels_host_gap_node": SuiteSystem(
+        "lightning_sloth + every opt-in host-gap change (GQA direct, add_rms_norm, node checkpoint)",
+        _sloth_host_gap_node,
         bench._packed_batches,
     ),
     "sloth_kernels_node_checkpoint": SuiteSystem(
