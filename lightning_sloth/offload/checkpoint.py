@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 from lightning_sloth.offload.hooks import ActivationOffloader
@@ -85,11 +86,16 @@ class _LayerNode(torch.autograd.Function):
                 )
             out = ctx.run(*args)
         outs = out if isinstance(out, tuple) else (out,)
+        # The backward starts from the outputs' gradient edges, not the outputs: the recomputed
+        # outputs (a hidden state each) are freed before it runs rather than held through it.
         pairs = [
-            (o, g) for o, g in zip(outs, grads) if isinstance(o, Tensor) and o.requires_grad and g is not None
+            (get_gradient_edge(o), g)
+            for o, g in zip(outs, grads)
+            if isinstance(o, Tensor) and o.requires_grad and g is not None
         ]
+        del out, outs
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
         input_grads = [a.grad if need else None for a, need in zip(args, ctx.needs)]
         return (None, None, *input_grads)
 
