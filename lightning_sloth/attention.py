@@ -101,7 +101,7 @@ FLEX_BLOCK_SIZE = 128
 _VARLEN_HAS_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 _backend = "auto"
-_kv_repeat = True  # opt-in GQA without the copy until it has run on a GPU
+_kv_repeat = False  # GQA without the K/V copy (set_varlen_kv_repeat(True) restores the copy)
 
 
 def set_packed_attention_backend(backend: str) -> None:
@@ -122,10 +122,10 @@ def get_packed_attention_backend() -> str:
 
 
 def set_varlen_kv_repeat(repeat: bool) -> None:
-    """Process-wide: repeat K/V heads for GQA in the ``"varlen"`` backend (``True``, the default,
-    copies them to one per query head first, as torch 2.11's ``varlen_attn`` alone needs;
-    ``False`` lets the flash kernel read the shared heads in place). Both give the same attention;
-    ``False`` is opt-in until its GPU parity tests have run on the H100."""
+    """Process-wide: repeat K/V heads for GQA in the ``"varlen"`` backend (``True`` copies them to
+    one per query head first, as torch 2.11's ``varlen_attn`` alone needs; ``False``, the default,
+    lets the flash kernel read the shared heads in place). Both give the same attention (GPU
+    parity tests); the copy stays as the ablation's switched-off path."""
     global _kv_repeat
     if not isinstance(repeat, bool):
         raise TypeError(f"set_varlen_kv_repeat takes a bool, got {repeat!r}")

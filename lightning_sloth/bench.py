@@ -278,7 +278,7 @@ SYSTEMS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-KERNEL_OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora")
+KERNEL_OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm")
 
 
 def resolve_system(name: str) -> tuple[Callable, Callable]:
@@ -289,7 +289,9 @@ def resolve_system(name: str) -> tuple[Callable, Callable]:
     ablation, budget = "sloth_kernels_without_", "sloth_kernels_offload_budget_"
     if name.startswith(ablation) and name[len(ablation) :] in KERNEL_OPS:
         op = name[len(ablation) :]
-        return _sloth(kernels={o: o != op for o in KERNEL_OPS}), _packed_batches
+        # Without the RMSNorm kernel the fused add + norm (the same kernel) goes too.
+        off = {op, "add_rms_norm"} if op == "rms_norm" else {op}
+        return _sloth(kernels={o: o not in off for o in KERNEL_OPS}), _packed_batches
     gib = name[len(budget) : -len("gib")] if name.startswith(budget) and name.endswith("gib") else ""
     try:
         budget_bytes = int(float(gib) * 2**30)

@@ -147,10 +147,15 @@ def caption(reports: list[dict], sources: list[str]) -> str:
             run.append(f"commit {run_env['git_commit'][:10]}")
         if run:
             parts.append((f"`{source}`: " if len(reports) > 1 else "") + ", ".join(run))
-    workload = (
-        f"{work['tokens_per_step']:,} tokens per step, LoRA r={work['lora_r']}, "
-        f"{work['warmup_steps']} warm-up + {work['timed_steps']} timed steps"
-    )
+    steps = {(r["workload"]["warmup_steps"], r["workload"]["timed_steps"]) for r in reports}
+    if len(steps) == 1:
+        steps_text = f"{work['warmup_steps']} warm-up + {work['timed_steps']} timed steps"
+    else:  # runs of different lengths: each file's own
+        steps_text = ", ".join(
+            f"`{source}`: {r['workload']['warmup_steps']} warm-up + {r['workload']['timed_steps']} timed steps"
+            for source, r in zip(sources, reports)
+        )
+    workload = f"{work['tokens_per_step']:,} tokens per step, LoRA r={work['lora_r']}, {steps_text}"
     files = ", ".join(f"`{s}`" for s in sources)
     return f"Generated from {files}: {', '.join(parts)}; {workload}."
 

@@ -24,14 +24,14 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
-    sloth_kernels_gqa_direct         every kernel + GQA K/V heads read in place by the flash varlen
-                                     kernel (``set_varlen_kv_repeat(False)``, opt-in).
-    sloth_kernels_add_rms_norm       every kernel + the residual add fused into the next norm
-                                     (``kernels={"add_rms_norm": True}``, opt-in).
-    sloth_kernels_host_gap           both of the above.
-    sloth_kernels_node_checkpoint    every kernel, each checkpointed layer one autograd node
-                                     (``checkpoint_impl="node"``, opt-in) instead of torch's
-                                     hook-based checkpoint.
+    sloth_kernels_kv_repeat          the default, but K/V heads copied to one per query head
+                                     before the varlen kernel (``set_varlen_kv_repeat(True)``).
+    sloth_kernels_without_add_rms_norm  the default, but the residual add and the next norm as
+                                     two passes (``kernels={"add_rms_norm": False}``).
+    sloth_kernels_torch_checkpoint   the default, but torch's hook-based checkpoint per layer
+                                     (``checkpoint_impl="torch"``) instead of one autograd node.
+    sloth_kernels_before_host_gap    all three of the above: the default before the host-gap
+                                     changes.
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -191,25 +191,18 @@ def _sloth_offload_single(workload: Workload):
     return model
 
 
-def _sloth_gqa_direct(workload: Workload):
+def _sloth_kv_repeat(workload: Workload):
     from lightning_sloth.attention import set_varlen_kv_repeat
 
-    set_varlen_kv_repeat(False)  # process-wide; this process runs only this system
+    set_varlen_kv_repeat(True)  # process-wide; this process runs only this system
     return bench._sloth(kernels=True)(workload)
 
 
-def _sloth_host_gap(workload: Workload):
+def _sloth_before_host_gap(workload: Workload):
     from lightning_sloth.attention import set_varlen_kv_repeat
 
-    set_varlen_kv_repeat(False)
-    return bench._sloth(kernels={"add_rms_norm": True})(workload)
-
-
-def _sloth_host_gap_node(workload: Workload):
-    from lightning_sloth.attention import set_varlen_kv_repeat
-
-    set_varlen_kv_repeat(False)
-    return bench._sloth(kernels={"add_rms_norm": True}, checkpoint_impl="node")(workload)
+    set_varlen_kv_repeat(True)
+    return bench._sloth(kernels={"add_rms_norm": False}, checkpoint_impl="torch")(workload)
 
 
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
@@ -314,29 +307,17 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
     ),
-    "sloth_kernels_gqa_direct": SuiteSystem(
-        "lightning_sloth + GQA without the K/V copy (opt-in)",
-        _sloth_gqa_direct,
+    "sloth_kernels_kv_repeat": SuiteSystem(
+        "lightning_sloth, GQA with the K/V copy", _sloth_kv_repeat, bench._packed_batches
+    ),
+    "sloth_kernels_torch_checkpoint": SuiteSystem(
+        "lightning_sloth, torch's checkpoint per layer",
+        bench._sloth(kernels=True, checkpoint_impl="torch"),
         bench._packed_batches,
     ),
-    "sloth_kernels_add_rms_norm": SuiteSystem(
-        "lightning_sloth + residual add fused into the norm (opt-in)",
-        bench._sloth(kernels={"add_rms_norm": True}),
-        bench._packed_batches,
-    ),
-    "sloth_kernels_host_gap": SuiteSystem(
-        "lightning_sloth + both opt-in host-gap changes",
-        _sloth_host_gap,
-        bench._packed_batches,
-    ),
-    "sloth_kernels_host_gap_node": SuiteSystem(
-        "lightning_sloth + every opt-in host-gap change (GQA direct, add_rms_norm, node checkpoint)",
-        _sloth_host_gap_node,
-        bench._packed_batches,
-    ),
-    "sloth_kernels_node_checkpoint": SuiteSystem(
-        "lightning_sloth + each checkpointed layer one autograd node (opt-in)",
-        bench._sloth(kernels=True, checkpoint_impl="node"),
+    "sloth_kernels_before_host_gap": SuiteSystem(
+        "lightning_sloth, K/V copy + unfused add + torch's checkpoint (before the host-gap changes)",
+        _sloth_before_host_gap,
         bench._packed_batches,
     ),
 }

@@ -282,7 +282,7 @@ class KernelOpsConfig:
     glu: bool = True
     cross_entropy: bool = True
     lora: bool = True
-    add_rms_norm: bool = False  # opt-in: sloth.kernel_ops.add_rms_norm=true
+    add_rms_norm: bool = True
 
 
 @dataclass
@@ -299,8 +299,9 @@ class SlothConfig:
         compile_options: keyword arguments for ``torch.compile`` (``mode``, ``dynamic``...).
         moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
             ``lightning_sloth.moe``; ``false`` keeps transformers' experts implementation.
-        checkpoint_impl: ``torch`` (torch's non-reentrant checkpoint per layer) or ``node`` (each
-            checkpointed layer one autograd node: less host time per layer).
+        checkpoint_impl: ``node`` (each checkpointed layer one autograd node: less host time per
+            layer), ``torch`` (torch's non-reentrant checkpoint per layer), or null (the
+            strategy's default: ``node``, and ``torch`` under ``sloth_fsdp``).
     """
 
     packed_attention: bool = True
@@ -312,7 +313,7 @@ class SlothConfig:
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
     moe: bool = True
-    checkpoint_impl: str = "torch"
+    checkpoint_impl: str | None = None
 
 
 @dataclass
@@ -527,8 +528,10 @@ def _check_sloth(sloth: DictConfig, errors: list[str]) -> None:
         errors.append(
             "sloth.offload: needs sloth.gradient_checkpointing=true (it offloads checkpointed inputs)"
         )
-    if sloth.get("checkpoint_impl", "torch") not in ("torch", "node"):
-        errors.append(f"sloth.checkpoint_impl: must be 'torch' or 'node', got {sloth.checkpoint_impl!r}")
+    if sloth.get("checkpoint_impl") not in (None, "torch", "node"):
+        errors.append(
+            f"sloth.checkpoint_impl: must be 'torch', 'node' or null, got {sloth.checkpoint_impl!r}"
+        )
 
 
 def _check_optimizer(optimizer: DictConfig, errors: list[str]) -> None:

@@ -67,8 +67,10 @@ def test_hooked_norm_and_switch_off():
     assert all(forwards.patched_op(layer) is None for layer in _layers(model))
 
 
-def test_opt_in_by_default():
+def test_on_by_default_and_can_be_switched_off():
     report = apply_kernels(tiny_model("llama"))
+    assert report.counts["add_rms_norm"] == len(_layers(tiny_model("llama")))
+    report = apply_kernels(tiny_model("llama"), KernelSettings(add_rms_norm=False))
     assert report.counts["add_rms_norm"] == 0 and report.skipped["add_rms_norm"] == "switched off"
 
 

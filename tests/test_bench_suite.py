@@ -22,7 +22,7 @@ PACKED = [
     "sloth_trainer",
     "sloth_kernels",
     "sloth_kernels_metadata_per_layer",
-    "sloth_kernels_node_checkpoint",
+    "sloth_kernels_torch_checkpoint",
 ]
 
 
@@ -151,6 +151,17 @@ def test_failed_and_older_records_render():
     table = bench_report.render_table([report], ["x.json"], "hf_padded")
     assert "**oom**: CUDA out of memory \\| x" in table
     assert "**failed**: loss not finite" in table and "9,000,000,000" not in table
+
+
+def test_caption_names_each_files_steps_when_they_differ():
+    def report(warmup, timed):
+        work = dict(tokens_per_step=8, lora_r=4, warmup_steps=warmup, timed_steps=timed)
+        return {"environment": {"device": "X"}, "workload": work, "results": []}
+
+    same = bench_report.caption([report(5, 20), report(5, 20)], ["a.json", "b.json"])
+    assert same.endswith("5 warm-up + 20 timed steps.")
+    mixed = bench_report.caption([report(5, 20), report(1, 3)], ["a.json", "b.json"])
+    assert "`a.json`: 5 warm-up + 20 timed steps, `b.json`: 1 warm-up + 3 timed steps" in mixed
 
 
 def test_unknown_system_or_scenario_key_is_named(tmp_path):

@@ -179,7 +179,7 @@ def test_unknown_group_option_lists_the_options(hydra_conf):
             ["sloth.offload=on", "sloth.gradient_checkpointing=false"],
             "sloth.offload: needs sloth.gradient_checkpointing=true",
         ),
-        (["sloth.checkpoint_impl=reentrant"], "sloth.checkpoint_impl: must be 'torch' or 'node'"),
+        (["sloth.checkpoint_impl=reentrant"], "sloth.checkpoint_impl: must be 'torch', 'node' or null"),
         (["resume=''"], "resume: must be 'auto', a checkpoint path or null"),
     ],
 )
@@ -260,7 +260,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "memory_budget": None,
         "compile": False,
         "moe": True,
-        "checkpoint_impl": "torch",
+        "checkpoint_impl": None,  # the strategy's default (node; torch's under sloth_fsdp)
     }
     assert build.sloth_settings(make("sloth=off").sloth) == {
         "packed_attention": False,
@@ -270,7 +270,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "memory_budget": None,
         "compile": False,
         "moe": False,
-        "checkpoint_impl": "torch",
+        "checkpoint_impl": None,
     }
     tuned = make(
         "sloth.kernels=on",
@@ -288,7 +288,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "glu": True,
         "cross_entropy": True,
         "lora": True,
-        "add_rms_norm": False,
+        "add_rms_norm": True,
     }
     assert (settings["offload"], settings["memory_budget"], settings["compile"]) == (
         "auto",
@@ -296,10 +296,10 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         {"dynamic": False},
     )
     assert build.sloth_settings(make("sloth.kernels=on").sloth)["kernels"] is True  # the default set
-    assert build.sloth_settings(make("sloth.checkpoint_impl=node").sloth)["checkpoint_impl"] == "node"
-    assert build.sloth_settings(make("sloth.kernels=on", "sloth.kernel_ops.add_rms_norm=true").sloth)[
+    assert build.sloth_settings(make("sloth.checkpoint_impl=torch").sloth)["checkpoint_impl"] == "torch"
+    assert build.sloth_settings(make("sloth.kernels=on", "sloth.kernel_ops.add_rms_norm=false").sloth)[
         "kernels"
-    ] == dict.fromkeys(["rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm"], True)
+    ] == dict.fromkeys(["rms_norm", "rope", "glu", "cross_entropy", "lora"], True) | {"add_rms_norm": False}
     assert (
         build.sloth_settings(make("sloth.memory_budget=auto", "sloth.kernels=on").sloth)["memory_budget"]
         == "auto"

@@ -153,11 +153,15 @@ def test_one_device_is_refused_with_a_clear_error():
         Trainer(accelerator="cpu", devices=1, strategy="sloth_fsdp", logger=False)
 
 
-def test_node_checkpoint_is_refused_under_fsdp():
-    from lightning_sloth.plugins import SlothFSDPStrategy
+def test_node_checkpoint_is_refused_under_fsdp_and_torchs_is_its_default():
+    from lightning_sloth.plugins import SlothDDPStrategy, SlothFSDPStrategy, SlothStrategy
 
     with pytest.raises(ValueError, match="sloth_fsdp takes checkpoint_impl='torch' only"):
         SlothFSDPStrategy(checkpoint_impl="node")
+    assert SlothFSDPStrategy().sloth_settings["checkpoint_impl"] == "torch"
+    assert SlothStrategy().sloth_settings["checkpoint_impl"] == "node"
+    assert SlothDDPStrategy().sloth_settings["checkpoint_impl"] == "node"
+    assert SlothStrategy(checkpoint_impl="torch").sloth_settings["checkpoint_impl"] == "torch"
 
 
 def test_sharding_without_a_process_group_is_refused():

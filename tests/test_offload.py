@@ -292,7 +292,7 @@ def test_node_checkpoint_gives_torch_checkpoints_gradients(lora, with_offload, m
     inputs = batch()
     make = (lambda: add_lora(tiny_llama())) if lora else tiny_llama
     model = make()
-    apply_checkpointing(model, offloader=cpu_offloader() if with_offload else None)
+    apply_checkpointing(model, offloader=cpu_offloader() if with_offload else None, checkpoint_impl="torch")
     want = step_grads(model, inputs)
     calls = _spy_torch_checkpoint(monkeypatch)
     model = make()

@@ -337,8 +337,8 @@ def test_custom_loss_function_falls_back_to_the_full_logits(caplog):
 
 def test_kernel_settings_forms():
     assert KernelSettings.coerce(True) == KernelSettings()
-    assert "add_rms_norm" not in KernelSettings().enabled()  # opt-in
-    assert KernelSettings.coerce({"add_rms_norm": True}).enabled() == OPS
+    assert KernelSettings().enabled() == OPS  # every op by default
+    assert "add_rms_norm" not in KernelSettings.coerce({"add_rms_norm": False}).enabled()
     assert KernelSettings.coerce(None).enabled() == ()
     assert KernelSettings.coerce(["rope", "lora"]).enabled() == ("rope", "lora")
     assert KernelSettings.coerce({"glu": False}) == KernelSettings(glu=False)

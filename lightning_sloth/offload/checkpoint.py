@@ -5,7 +5,7 @@ saved-tensor hooks wrap the checkpoint call, so they see only what the checkpoin
 backward: the layer's input. (Inside a checkpoint the innermost hooks win, so hooks installed
 there would silently turn recomputation off; they are never installed there.)
 
-``checkpoint_impl="node"`` runs each layer's checkpoint as one autograd node instead
+``checkpoint_impl="node"`` (the default) runs each layer's checkpoint as one autograd node
 (:class:`_LayerNode`): the forward runs without a graph and saves only the layer's inputs; the
 node's backward runs the layer again with the forward's autocast state and back-propagates through
 it. torch's non-reentrant checkpoint packs and unpacks every tensor the layer's graph saves
@@ -13,6 +13,7 @@ through Python hooks, host time that a host-bound step pays per layer, twice; th
 ``apply`` and one nested backward. Like torch's checkpoint it replays the forward's random state
 (CPU, and the CUDA device of the inputs), so dropout draws the same masks. A layer called with a
 keyword tensor that needs a gradient takes torch's checkpoint (the node would give it none).
+``checkpoint_impl="torch"`` keeps torch's checkpoint for every layer (and is what FSDP2 takes).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class CheckpointedLayers:
         plan: Sequence[LayerMode] | None,
         memory_budget: int | Literal["auto"] | None,
         compile_layers: bool | dict[str, Any] = False,
-        checkpoint_impl: CheckpointImpl = "torch",
+        checkpoint_impl: CheckpointImpl = "node",
     ) -> None:
         if checkpoint_impl not in get_args(CheckpointImpl):
             raise ValueError(
@@ -357,7 +358,7 @@ def apply_checkpointing(
     plan: Sequence[LayerMode] | None = None,
     memory_budget: int | Literal["auto"] | None = None,
     compile_layers: bool | dict[str, Any] = False,
-    checkpoint_impl: CheckpointImpl = "torch",
+    checkpoint_impl: CheckpointImpl = "node",
 ) -> CheckpointedLayers:
     """Checkpoint every decoder layer of a transformers model, wrapped by the offloader's hooks.
 
@@ -383,8 +384,8 @@ def apply_checkpointing(
             every layer and then :func:`plan_layers` decides per layer. Excludes ``plan``.
         compile_layers: compile each layer's computation with ``torch.compile`` (``True``, or
             a dict of ``torch.compile`` keyword arguments).
-        checkpoint_impl: ``"torch"`` (torch's non-reentrant checkpoint) or ``"node"`` (each layer
-            one autograd node, less host time per layer; see the module notes).
+        checkpoint_impl: ``"node"`` (the default: each layer one autograd node, less host time
+            per layer; see the module notes) or ``"torch"`` (torch's non-reentrant checkpoint).
 
     Returns:
         The :class:`CheckpointedLayers` controller (plan, measurements, ``remove()``).

@@ -34,8 +34,8 @@ class KernelSettings:
         cross_entropy: the causal LM's loss -> ``sloth::linear_cross_entropy`` (no logits).
         lora: PEFT ``lora.Linear`` layers -> ``sloth::lora_linear``.
         add_rms_norm: pre-norm decoder layers -> the residual add after attention and the norm
-            before the MLP as one ``sloth::add_rms_norm``. Opt-in (off by default, and not part of
-            ``kernels=True``) until its GPU parity test and benchmark have run on the H100.
+            before the MLP as one ``sloth::add_rms_norm`` (layers of another form keep their own
+            forward; the report says which).
     """
 
     rms_norm: bool = True
@@ -43,7 +43,7 @@ class KernelSettings:
     glu: bool = True
     cross_entropy: bool = True
     lora: bool = True
-    add_rms_norm: bool = False
+    add_rms_norm: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -55,8 +55,7 @@ class KernelSettings:
         """Settings from the forms a config may hold.
 
         Args:
-            value: a ``KernelSettings``; ``True`` (the default ops: all but the opt-in
-                ``add_rms_norm``); ``False``/``None`` (none); a mapping of field names to bools
+            value: a ``KernelSettings``; ``True`` (every op); ``False``/``None`` (none); a mapping of field names to bools
                 (missing fields keep their defaults); or an iterable of op names to switch on (the
                 others off).
 
@@ -67,7 +66,7 @@ class KernelSettings:
         if isinstance(value, KernelSettings):
             return value
         if value is True:
-            return cls()  # the default set (opt-in ops stay off)
+            return cls()  # every op
         if value is None or value is False:
             return cls(**dict.fromkeys(OPS, False))
         if isinstance(value, Mapping):

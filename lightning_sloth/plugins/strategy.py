@@ -69,7 +69,7 @@ def transform_model(
     memory_budget: int | str | None = None,
     compile: bool | dict = False,
     moe: bool = True,
-    checkpoint_impl: str = "torch",
+    checkpoint_impl: str = "node",
 ) -> SlothReport:
     """Apply lightning_sloth's transformations to a transformers model, in place.
 
@@ -90,9 +90,9 @@ def transform_model(
         moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
             ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
             ``False`` keeps transformers' experts implementation. Dense models ignore it.
-        checkpoint_impl: ``"torch"`` (torch's non-reentrant checkpoint per layer) or ``"node"``
-            (each checkpointed layer one autograd node: less host time per layer; see
-            ``lightning_sloth.offload.checkpoint``).
+        checkpoint_impl: ``"node"`` (the default: each checkpointed layer one autograd node,
+            less host time per layer; see ``lightning_sloth.offload.checkpoint``) or ``"torch"``
+            (torch's non-reentrant checkpoint per layer).
     """
     report = SlothReport()
     hf_model = find_hf_model(model)
@@ -155,6 +155,8 @@ class _SlothSetup:
     Lightning strategy it is mixed into.
     """
 
+    default_checkpoint_impl = "node"  # what checkpoint_impl=None means for this strategy
+
     def __init__(
         self,
         packed_attention: bool = True,
@@ -164,10 +166,12 @@ class _SlothSetup:
         memory_budget: int | str | None = None,
         compile: bool | dict = False,
         moe: bool = True,
-        checkpoint_impl: str = "torch",
+        checkpoint_impl: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if checkpoint_impl is None:  # the strategy's own: the node, torch's checkpoint under FSDP2
+            checkpoint_impl = self.default_checkpoint_impl
         self.sloth_settings = dict(
             packed_attention=packed_attention,
             gradient_checkpointing=gradient_checkpointing,
@@ -225,7 +229,8 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: regional ``torch.compile`` of each decoder layer (``True`` or compile kwargs).
         moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own).
-        checkpoint_impl: ``"torch"`` or ``"node"`` (each checkpointed layer one autograd node).
+        checkpoint_impl: ``"node"`` (each checkpointed layer one autograd node; the default) or
+            ``"torch"``.
         device: the device; by default the one the Trainer's accelerator picks.
 
     See :func:`transform_model` for the order the transformations are applied in.
@@ -334,6 +339,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
     """
 
     strategy_name = "sloth_fsdp"
+    default_checkpoint_impl = "torch"
     # CausalLMModule reads this: the loss of a step is normalised by the global target tokens.
     global_token_loss = True
 
@@ -352,7 +358,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             # The node re-enters the layer (and FSDP2's unshard/reduce-scatter hooks) inside a
             # backward; not tested under sharding, so not offered there.
             raise ValueError(
-                "sloth_fsdp takes checkpoint_impl='torch' only; checkpoint_impl="
+                "sloth_fsdp takes checkpoint_impl='torch' only (its default); checkpoint_impl="
                 f"{self.sloth_settings['checkpoint_impl']!r} is for one device and DDP"
             )
         self._start_method = start_method

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(autouse=True)
 def _default_switches():
     yield
-    set_varlen_kv_repeat(True)  # the default (the direct GQA path is opt-in)
+    set_varlen_kv_repeat(False)  # the default: GQA without the K/V copy
     torch._dynamo.reset()
 
 
@@ -180,9 +180,9 @@ def test_add_rms_norm_kernel_matches_unfused(dtype, offset):
 
 @pytest.mark.parametrize("offload", ["off", "on"])
 def test_transformed_step_matches_the_unfused_repeat_path_and_never_syncs(offload):
-    """A packed LoRA step with the opt-in changes (GQA without repeat, add_rms_norm) gives the loss
-    and gradients of the default path (K/V repeated, add and norm unfused), and a step reads
-    nothing back from the device."""
+    """A packed LoRA step with the defaults (GQA without repeat, add_rms_norm, each checkpointed
+    layer one autograd node) gives the loss and gradients of the path before them (K/V repeated,
+    add and norm unfused, torch's checkpoint), and a step reads nothing back from the device."""
     import copy
 
     import _models
@@ -194,8 +194,8 @@ def test_transformed_step_matches_the_unfused_repeat_path_and_never_syncs(offloa
     )
     master = _models.add_lora(master, r=8).to("cuda", torch.bfloat16).train()
     before, after = copy.deepcopy(master), copy.deepcopy(master)
-    transform_model(before, kernels=True, offload=offload)
-    transform_model(after, kernels={"add_rms_norm": True}, offload=offload)
+    transform_model(before, kernels={"add_rms_norm": False}, offload=offload, checkpoint_impl="torch")
+    transform_model(after, kernels=True, offload=offload)
     docs = _models.random_documents([300, 17, 600, 5, 101], seed=1)
     warm = _models.packed_batch(docs, pad_to=1100).to("cuda")
     step = _models.packed_batch(_models.random_documents([64, 64, 513, 1, 331], seed=2), pad_to=1100).to(

@@ -61,7 +61,7 @@ def assert_bitwise(got: dict, want: dict) -> None:
 def test_gradients_bitwise_equal_to_plain_checkpointing(dtype):
     ids = torch.randint(0, 1024, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     model = causal_lm(dtype)
-    apply_checkpointing(model)
+    apply_checkpointing(model, checkpoint_impl="torch")
     want = step_grads(model, ids)
     assert_bitwise(step_grads(model, ids), want)  # the reference itself is deterministic
     input_bytes = ids.numel() * 256 * torch.finfo(dtype).bits // 8
@@ -85,7 +85,7 @@ def test_node_checkpoint_bitwise_equal_and_offloads_on_cuda(dtype):
     autocast."""
     ids = torch.randint(0, 1024, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     model = causal_lm(dtype)
-    apply_checkpointing(model)
+    apply_checkpointing(model, checkpoint_impl="torch")
     want = step_grads(model, ids)
     input_bytes = ids.numel() * 256 * torch.finfo(dtype).bits // 8
     for offloader in (None, ActivationOffloader("on", min_offload_bytes=1)):
