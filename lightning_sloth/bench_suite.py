@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -207,8 +208,18 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     times, tokens, flops, losses, stats = [], [], [], [], {}
-    warmup_peak = None
+    warmup_peak = replay = None
     steps = workload.warmup_steps + workload.timed_steps
+
+    def forward_backward(micro, num_items):
+        loss = torch.zeros((), device=device)
+        for inputs in micro:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                micro_loss = model(**inputs, num_items_in_batch=num_items).loss
+            micro_loss.backward()
+            loss += micro_loss.detach()
+        return loss
+
     for step, (micro, real_tokens, sum_sq, targets) in enumerate(system.batches(workload, samples, 0)):
         if step == steps:
             break
@@ -217,13 +228,9 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
         _sync(device)
         if step == workload.warmup_steps:  # the timed steps' own peak, warm-up excluded
             warmup_peak = _reset_peaks(device)
+            replay = (micro, num_items)
         begin = time.perf_counter()
-        loss = torch.zeros((), device=device)
-        for inputs in micro:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                micro_loss = model(**inputs, num_items_in_batch=num_items).loss
-            micro_loss.backward()
-            loss += micro_loss.detach()
+        loss = forward_backward(micro, num_items)
         _sync(device)
         elapsed = time.perf_counter() - begin
         if step == steps - 1:  # outside the timed interval
@@ -244,7 +251,26 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     if warmup_peak is not None:
         result["warmup_peak_allocated_gib"] = warmup_peak / 2**30
     result |= bench._memory_plan(getattr(model, "_sloth_report", None))
+    if device.type == "cuda" and replay is not None:  # after the peaks: the profiler's memory is not the step's
+        result |= gpu_busy_share(lambda: (forward_backward(*replay), optimizer.step(), optimizer.zero_grad()))
     return result
+
+
+def gpu_busy_share(step: Callable[[], object]) -> dict:
+    """Run one more training step under the CUDA profiler (the first timed step's batch again, after
+    the timed steps) and report the share of its wall time in which the GPU ran a kernel or copy.
+
+    The profiler adds host work of its own, so the share is a lower bound; the rest of the step the
+    GPU waited for the host to queue work.
+    """
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        begin = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - begin) * 1e3
+    busy_ms = bench.gpu_busy_ms(profiler.events())
+    return {"profiled_step_ms": wall_ms, "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / wall_ms}
 
 
 def run_trainer_system(workload: Workload, samples=None) -> dict:
@@ -557,6 +583,7 @@ def _line(r: dict) -> str:
         f"{r['system']:<36} {r['tokens_per_s_median']:>9.0f} tok/s "
         f"({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}), "
         f"peak {'-' if peak is None else f'{peak:.2f} GiB'}, loss {r['first_loss']:.3f}->{r['last_loss']:.3f}"
+        + (f", GPU busy {r['gpu_busy_share']:.0%}" if "gpu_busy_share" in r else "")
     )
 
 

@@ -69,6 +69,7 @@ def test_tiny_scenario_writes_one_complete_json(tiny_run):
         assert record["lora_A_grad_norm"] > 0 and record["lora_B_grad_norm"] > 0
         assert math.isfinite(record["first_loss"]) and math.isfinite(record["last_loss"])
         assert "peak_allocated_gib" in record and "peak_reserved_gib" in record
+        assert "gpu_busy_share" not in record  # one profiled CUDA step; none on the CPU
 
 
 def test_every_packed_system_trains_the_same_model_on_the_same_rows(tiny_run):
