@@ -171,3 +171,42 @@ def test_float32_is_honoured(tmp_path, datamodule):
     trainer = _trainer(tmp_path, strategy=SlothStrategy(), max_steps=1, limit_val_batches=0)
     trainer.fit(module, datamodule=datamodule)
     assert all(p.dtype == torch.float32 for p in module.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_host_gap_defaults_give_the_earlier_defaults_step_bit_for_bit(family):
+    """kernels=True today (GQA without the K/V copy, the residual add fused into the norm, each
+    checkpointed layer one autograd node) gives the loss and gradients of the earlier default (K/V
+    copied, add and norm unfused, torch's checkpoint) on a packed LoRA step, bit for bit (CPU float32:
+    the packed attention runs SDPA here, so the fused norm and the checkpoint are what differ)."""
+    import copy
+
+    import _models
+
+    from lightning_sloth.attention import get_varlen_kv_repeat, set_varlen_kv_repeat
+
+    assert get_varlen_kv_repeat() is False  # the default
+    make = _models.tiny_llama if family == "llama" else _models.tiny_qwen3
+    master = _models.add_lora(make(), r=4).train()
+    now, before = copy.deepcopy(master), copy.deepcopy(master)
+    report = transform_model(now, kernels=True)
+    assert report.kernels.counts["add_rms_norm"] > 0 and report.checkpointing.checkpoint_impl == "node"
+    transform_model(before, kernels={"add_rms_norm": False}, checkpoint_impl="torch")
+    batch = _models.packed_batch(_models.random_documents([37, 5, 60, 18], seed=3))
+
+    def step(model, repeat):
+        set_varlen_kv_repeat(repeat)
+        try:
+            model.zero_grad(set_to_none=True)
+            loss = model(**batch.model_inputs(), labels=batch.labels).loss
+            loss.backward()
+        finally:
+            set_varlen_kv_repeat(False)
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step(now, False)
+    want_loss, want = step(before, True)
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want.keys() and grads
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
