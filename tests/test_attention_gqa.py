@@ -65,13 +65,13 @@ class _FakeFlash:
 @pytest.fixture
 def fake_flash(monkeypatch):
     fake = _FakeFlash()
-    set_varlen_kv_repeat(False)  # opt-in: the direct path under test
+    set_varlen_kv_repeat(False)  # the default: the direct path under test
     monkeypatch.setattr(attention, "_flash_varlen_forward", fake.forward)
     monkeypatch.setattr(attention, "_flash_varlen_backward", fake.backward)
     # The torch 2.11 situation: varlen_attn cannot take fewer K/V heads.
     monkeypatch.setattr(attention, "_VARLEN_HAS_GQA", False)
     yield fake
-    set_varlen_kv_repeat(True)  # back to the default
+    set_varlen_kv_repeat(False)  # back to the default
 
 
 def _inputs(heads_q=6, heads_kv=2, head_dim=16, seed=0):
@@ -149,14 +149,23 @@ def test_torch_with_enable_gqa_uses_it(monkeypatch):
     monkeypatch.setattr(attention, "varlen_attn", varlen_stand_in)
     monkeypatch.setattr(attention, "_VARLEN_HAS_GQA", True)
     q, k, v = _inputs()
-    attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)
-    assert calls == [(6, {})]  # the default repeats K/V (the direct path is opt-in)
-    set_varlen_kv_repeat(False)
+    set_varlen_kv_repeat(True)  # the copy, switched back on
     try:
         attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)
     finally:
-        set_varlen_kv_repeat(True)
+        set_varlen_kv_repeat(False)
+    assert calls == [(6, {})]
+    attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)  # the default
     assert calls[1:] == [(2, {"enable_gqa": True})]
+
+
+def test_default_reads_kv_heads_in_place():
+    """A fresh process starts without the K/V copy (other tests here switch it back and forth)."""
+    import subprocess
+    import sys
+
+    code = "from lightning_sloth.attention import get_varlen_kv_repeat as g; assert g() is False"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_switch_rejects_non_bool():
