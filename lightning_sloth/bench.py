@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from lightning_sloth.module import flop_parameters
+from lightning_sloth.patching import OPS
 
 SHAPES = {
     "tiny": dict(
@@ -278,7 +279,7 @@ SYSTEMS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-KERNEL_OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm")
+KERNEL_OPS = OPS  # the ops apply_kernels can install, each switched off in an ablation
 
 
 def resolve_system(name: str) -> tuple[Callable, Callable]:

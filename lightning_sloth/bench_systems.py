@@ -191,18 +191,16 @@ def _sloth_offload_single(workload: Workload):
     return model
 
 
-def _sloth_kv_repeat(workload: Workload):
-    from lightning_sloth.attention import set_varlen_kv_repeat
+def _kv_repeated(setup: Callable) -> Callable:
+    """``setup`` with GQA's K/V heads copied before the varlen kernel (the switched-off default)."""
 
-    set_varlen_kv_repeat(True)  # process-wide; this process runs only this system
-    return bench._sloth(kernels=True)(workload)
+    def run(workload: Workload):
+        from lightning_sloth.attention import set_varlen_kv_repeat
 
+        set_varlen_kv_repeat(True)  # process-wide; this process runs only this system
+        return setup(workload)
 
-def _sloth_before_host_gap(workload: Workload):
-    from lightning_sloth.attention import set_varlen_kv_repeat
-
-    set_varlen_kv_repeat(True)
-    return bench._sloth(kernels={"add_rms_norm": False}, checkpoint_impl="torch")(workload)
+    return run
 
 
 def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
@@ -308,7 +306,9 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
     ),
     "sloth_kernels_kv_repeat": SuiteSystem(
-        "lightning_sloth, GQA with the K/V copy", _sloth_kv_repeat, bench._packed_batches
+        "lightning_sloth, GQA with the K/V copy",
+        _kv_repeated(bench._sloth(kernels=True)),
+        bench._packed_batches,
     ),
     "sloth_kernels_torch_checkpoint": SuiteSystem(
         "lightning_sloth, torch's checkpoint per layer",
@@ -317,7 +317,7 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     ),
     "sloth_kernels_before_host_gap": SuiteSystem(
         "lightning_sloth, K/V copy + unfused add + torch's checkpoint (before the host-gap changes)",
-        _sloth_before_host_gap,
+        _kv_repeated(bench._sloth(kernels={"add_rms_norm": False}, checkpoint_impl="torch")),
         bench._packed_batches,
     ),
 }

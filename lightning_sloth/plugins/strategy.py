@@ -134,8 +134,7 @@ def transform_model(
             hf_model,
             offloader=report.offloader,
             memory_budget=memory_budget,
-            # True or the kwargs: an empty dict (compile=True) would read as "off" (a falsy value).
-            compile_layers=(compile_kwargs or True) if compile_kwargs is not None else False,
+            compile_layers=compile_kwargs if compile_kwargs is not None else False,
             checkpoint_impl=checkpoint_impl,
         )
         report.applied.append("activation checkpointing" + (" + memory plan" if memory_budget else ""))
