@@ -62,17 +62,21 @@ def _batches(args, vocab: int, world: int, rank: int) -> list:
 
 def _model(args, attn: str):
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_sloth.bench import SHAPES
+    from lightning_sloth.bench import SHAPE_FAMILIES, SHAPES
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[args.shape], attn_implementation=attn, use_cache=False)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # CPU: a smoke run only
-        model = LlamaForCausalLM(config)
+    family = SHAPE_FAMILIES.get(args.shape, "llama")
+    config = AutoConfig.for_model(family, **SHAPES[args.shape], attn_implementation=attn, use_cache=False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run only
+    # A LoRA base is built in bf16 directly (a 14B float32 copy would not fit beside it).
+    dtype = torch.bfloat16 if args.lora else torch.float32
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if not args.lora:
         return model  # float32 master weights, bf16 compute
-    model = model.to(torch.bfloat16)  # frozen bf16 base, float32 adapters (PEFT's default)
+    # frozen bf16 base, float32 adapters (PEFT's default)
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, target_modules=projections, task_type="CAUSAL_LM")
@@ -267,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
     parser.add_argument("--system-timeout", type=float, default=180, help="seconds per system")
+    parser.add_argument("--git-commit", default=None, help="recorded with each result")
     parser.add_argument("--out", default=None, help="JSON file; results of earlier runs in it are kept")
     args = parser.parse_args(argv)
 
@@ -278,6 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_system(system, args)
         result |= {"shape": args.shape, "lora": args.lora, "gpus": SYSTEM_PROCESSES[system] or args.gpus}
         result |= {"warmup_steps": args.warmup, "tokens_budget_per_gpu": args.tokens}
+        if args.git_commit:
+            result["git_commit"] = args.git_commit
         report["runs"].append(result)
         print(json.dumps(result), flush=True)
         if out:

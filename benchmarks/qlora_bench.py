@@ -35,20 +35,7 @@ from lightning_sloth import bench
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {
     "llama_3_1_8b": ("llama", bench.SHAPES["llama_3_1_8b"]),
-    "qwen3_14b": (
-        "qwen3",
-        dict(
-            hidden_size=5120,
-            intermediate_size=17408,
-            num_hidden_layers=40,
-            num_attention_heads=40,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            rope_theta=1000000.0,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "qwen3_14b": ("qwen3", bench.SHAPES["qwen3_14b"]),
 }
 
 

@@ -116,12 +116,23 @@ SHAPES = {
         rope_theta=1000000.0,
         tie_word_embeddings=True,
     ),
+    "qwen3_14b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
 }
 MOE_LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
             "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}  # fmt: skip
 
 # transformers model type of a shape; shapes not listed are Llamas.
-SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3", "qwen3_30b_a3b_8l": "qwen3_moe", "gpt_oss_20b_8l": "gpt_oss"}
+SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3", "qwen3_14b": "qwen3", "qwen3_30b_a3b_8l": "qwen3_moe", "gpt_oss_20b_8l": "gpt_oss"}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
