@@ -7,6 +7,8 @@ and two GPUs), bf16 mixed precision, gradient clipping at 1.0, fused AdamW::
     sloth_1gpu   SlothStrategy(kernels=True)                       1 process
     sloth_ddp    SlothDDPStrategy(kernels=True)                    N processes
     sloth_fsdp   SlothFSDPStrategy(kernels=True)                   N processes
+    sloth_fsdp_no_reshard   the same with reshard_after_forward=False (weights stay gathered
+                 from a layer's forward to its backward: one all-gather per layer per step)
     stock_fsdp   ModelParallelStrategy + fully_shard per layer in configure_model, transformers'
                  own modules and gradient checkpointing, SDPA on the packed rows  N processes
 
@@ -35,7 +37,13 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
-SYSTEM_PROCESSES = {"sloth_1gpu": 1, "sloth_ddp": None, "sloth_fsdp": None, "stock_fsdp": None}
+SYSTEM_PROCESSES = {
+    "sloth_1gpu": 1,
+    "sloth_ddp": None,
+    "sloth_fsdp": None,
+    "sloth_fsdp_no_reshard": None,
+    "stock_fsdp": None,
+}
 
 
 def _batches(args, vocab: int, world: int, rank: int) -> list:
@@ -179,6 +187,7 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
             "sloth_1gpu": lambda: SlothStrategy(kernels=True),
             "sloth_ddp": lambda: SlothDDPStrategy(kernels=True),
             "sloth_fsdp": lambda: SlothFSDPStrategy(kernels=True),
+            "sloth_fsdp_no_reshard": lambda: SlothFSDPStrategy(kernels=True, reshard_after_forward=False),
             "stock_fsdp": lambda: ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
         }[system]()
         timer = StepTimer()
