@@ -255,3 +255,30 @@ def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, m
     assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
     assert trainer.strategy.launcher is None
     assert trainer.global_rank == 1 and trainer.world_size == 2
+
+
+def test_fsdp2_of_older_torch_can_build_frozen_integer_parameters(monkeypatch):
+    """torch 2.11's FSDP2 builds a sharded parameter as ``nn.Parameter(dtensor)`` and sets its
+    ``requires_grad`` afterwards, which raises for the packed NF4 codes (uint8; seen on two H200s).
+    The shim gives FSDP2's modules a ``Parameter`` that builds integer data frozen."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fsdp_param
+
+    from lightning_sloth.plugins import sharding
+
+    monkeypatch.setattr(_fsdp_param, "nn", _fsdp_param.nn)
+    monkeypatch.setattr(_fsdp_init, "nn", _fsdp_init.nn)
+    codes = torch.randint(0, 256, (8,), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="floating point"):
+        nn.Parameter(codes)  # what torch 2.11's FSDPParam does
+    assert not sharding.allow_integer_parameters_in_fsdp2()  # this torch passes requires_grad itself
+    monkeypatch.setattr(inspect, "getsource", lambda fn: "nn.Parameter(self.to_sharded_dtensor(x))")  # 2.11
+    assert sharding.allow_integer_parameters_in_fsdp2()
+    frozen = _fsdp_param.nn.Parameter(codes)
+    assert type(frozen) is nn.Parameter and not frozen.requires_grad and torch.equal(frozen, codes)
+    weight = _fsdp_param.nn.Parameter(torch.randn(4))
+    assert type(weight) is nn.Parameter and weight.requires_grad
+    assert _fsdp_init.nn.Parameter is _fsdp_param.nn.Parameter and _fsdp_param.nn.Module is nn.Module
+    assert not sharding.allow_integer_parameters_in_fsdp2()  # patched once
+    assert nn.Parameter is torch.nn.parameter.Parameter  # torch.nn itself untouched

@@ -19,6 +19,8 @@ parameters the backward pre-hook gathered.
 
 from __future__ import annotations
 
+import inspect
+import types
 from typing import Any
 
 import torch
@@ -95,6 +97,37 @@ def shardable_layers(model: nn.Module) -> nn.ModuleList:
         ) from error
 
 
+class _FrozenIntegerParameter(nn.Parameter):
+    """``nn.Parameter`` for FSDP2 of torch < 2.13, which builds its sharded parameter as
+    ``nn.Parameter(dtensor)`` (``requires_grad=True``) and sets the flag only afterwards: that
+    raises for integer data (the packed NF4 codes). Integer data gets ``requires_grad=False`` at
+    once (it can never require a gradient); anything else is built exactly as before."""
+
+    def __new__(cls, data=None, requires_grad=True):
+        if data is not None and not (data.is_floating_point() or data.is_complex()):
+            requires_grad = False
+        return nn.Parameter(data, requires_grad)
+
+
+def allow_integer_parameters_in_fsdp2() -> bool:
+    """Let FSDP2 shard frozen integer parameters on torch versions whose ``FSDPParam`` cannot.
+
+    Newer torch passes the original ``requires_grad`` when it builds the sharded parameter; on
+    older ones this points the ``nn`` name of FSDP2's parameter modules at a copy of ``torch.nn``
+    whose ``Parameter`` is :class:`_FrozenIntegerParameter`. Returns whether it patched.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fsdp_param
+
+    init = inspect.getsource(_fsdp_param.FSDPParam._init_sharded_param)
+    if "requires_grad=param.requires_grad" in init or _fsdp_param.nn.Parameter is _FrozenIntegerParameter:
+        return False
+    namespace = types.ModuleType("torch.nn")
+    namespace.__dict__.update(vars(nn))
+    namespace.Parameter = _FrozenIntegerParameter
+    _fsdp_param.nn = _fsdp_init.nn = namespace
+    return True
+
+
 def shard_model(
     lightning_module: nn.Module,
     hf_model: nn.Module,
@@ -138,6 +171,8 @@ def shard_model(
             f"sloth_fsdp shards the transformers model only; trainable parameters outside it "
             f"would not be synchronised: {outside[:5]}"
         )
+    if any(not (p.is_floating_point() or p.is_complex()) for p in hf_model.parameters()):
+        allow_integer_parameters_in_fsdp2()  # packed 4-bit codes
     layers = shardable_layers(hf_model)
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
