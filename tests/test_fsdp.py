@@ -257,28 +257,49 @@ def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, m
     assert trainer.global_rank == 1 and trainer.world_size == 2
 
 
-def test_fsdp2_of_older_torch_can_build_frozen_integer_parameters(monkeypatch):
-    """torch 2.11's FSDP2 builds a sharded parameter as ``nn.Parameter(dtensor)`` and sets its
-    ``requires_grad`` afterwards, which raises for the packed NF4 codes (uint8; seen on two H200s).
-    The shim gives FSDP2's modules a ``Parameter`` that builds integer data frozen."""
+def test_fsdp2_of_older_torch_shards_frozen_integer_parameters(monkeypatch):
+    """torch 2.11's FSDP2 (seen on two H200s) builds a sharded parameter as ``nn.Parameter(dtensor)``
+    and sets ``requires_grad`` afterwards, which raises for the packed NF4 codes (uint8), and casts
+    every parameter, integer ones too, to the mixed-precision ``param_dtype``. The shim gives its
+    modules a ``Parameter`` that builds integer data frozen and keeps integer parameters uncast;
+    here it is applied over stand-ins with torch 2.11's behaviour."""
     import inspect
+    import types
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp._fully_shard import _fsdp_init, _fsdp_param
 
     from lightning_sloth.plugins import sharding
 
-    monkeypatch.setattr(_fsdp_param, "nn", _fsdp_param.nn)
-    monkeypatch.setattr(_fsdp_init, "nn", _fsdp_init.nn)
+    FSDPParam = _fsdp_param.FSDPParam
+    for module in (_fsdp_param, _fsdp_init):
+        monkeypatch.setattr(module, "nn", module.nn)
+    assert sharding.allow_integer_parameters_in_fsdp2() == []  # this torch does both itself
+
+    def init_dtype_attrs_2_11(self, mp_policy):  # casts whatever the parameter's dtype
+        self.orig_dtype = self.sharded_param.dtype
+        self.param_dtype = None if mp_policy.param_dtype == self.orig_dtype else mp_policy.param_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype
+
+    monkeypatch.setattr(FSDPParam, "init_dtype_attrs", init_dtype_attrs_2_11)
+    sources = {"_init_sharded_param": "nn.Parameter(self.to_sharded_dtensor(x))", "init_dtype_attrs_2_11": ""}
+    monkeypatch.setattr(inspect, "getsource", lambda fn: sources[fn.__name__])
+    assert sharding.allow_integer_parameters_in_fsdp2() == ["Parameter", "init_dtype_attrs"]
+
     codes = torch.randint(0, 256, (8,), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="floating point"):
         nn.Parameter(codes)  # what torch 2.11's FSDPParam does
-    assert not sharding.allow_integer_parameters_in_fsdp2()  # this torch passes requires_grad itself
-    monkeypatch.setattr(inspect, "getsource", lambda fn: "nn.Parameter(self.to_sharded_dtensor(x))")  # 2.11
-    assert sharding.allow_integer_parameters_in_fsdp2()
     frozen = _fsdp_param.nn.Parameter(codes)
     assert type(frozen) is nn.Parameter and not frozen.requires_grad and torch.equal(frozen, codes)
     weight = _fsdp_param.nn.Parameter(torch.randn(4))
     assert type(weight) is nn.Parameter and weight.requires_grad
     assert _fsdp_init.nn.Parameter is _fsdp_param.nn.Parameter and _fsdp_param.nn.Module is nn.Module
-    assert not sharding.allow_integer_parameters_in_fsdp2()  # patched once
     assert nn.Parameter is torch.nn.parameter.Parameter  # torch.nn itself untouched
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for dtype, cast_to in ((torch.uint8, None), (torch.float32, torch.bfloat16)):
+        param = types.SimpleNamespace(sharded_param=torch.zeros(2, dtype=dtype))
+        FSDPParam.init_dtype_attrs(param, policy)
+        assert param.param_dtype is cast_to, dtype
+    sources[FSDPParam.init_dtype_attrs.__name__] = ""
+    assert sharding.allow_integer_parameters_in_fsdp2() == []  # patched once

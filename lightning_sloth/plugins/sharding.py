@@ -109,23 +109,46 @@ class _FrozenIntegerParameter(nn.Parameter):
         return nn.Parameter(data, requires_grad)
 
 
-def allow_integer_parameters_in_fsdp2() -> bool:
-    """Let FSDP2 shard frozen integer parameters on torch versions whose ``FSDPParam`` cannot.
+def allow_integer_parameters_in_fsdp2() -> list[str]:
+    """Let FSDP2 shard frozen integer parameters (the packed 4-bit codes) on torch versions
+    whose ``FSDPParam`` cannot; newer torch (2.13) does both of these itself:
 
-    Newer torch passes the original ``requires_grad`` when it builds the sharded parameter; on
-    older ones this points the ``nn`` name of FSDP2's parameter modules at a copy of ``torch.nn``
-    whose ``Parameter`` is :class:`_FrozenIntegerParameter`. Returns whether it patched.
+    - it builds the sharded parameter with the original ``requires_grad``; older ones build it
+      as ``nn.Parameter(dtensor)`` (``requires_grad=True``, which raises for integer data) and
+      set the flag after: their FSDP2 parameter modules get a copy of ``torch.nn`` whose
+      ``Parameter`` is :class:`_FrozenIntegerParameter`;
+    - it leaves non-floating parameters out of the mixed-precision cast; older ones cast them to
+      ``param_dtype`` like the weights (the codes would arrive as bf16 values): their
+      ``FSDPParam.init_dtype_attrs`` is wrapped to clear ``param_dtype`` for those.
+
+    Idempotent. Returns what it patched (empty on a torch that needs nothing).
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_init, _fsdp_param
 
-    init = inspect.getsource(_fsdp_param.FSDPParam._init_sharded_param)
-    if "requires_grad=param.requires_grad" in init or _fsdp_param.nn.Parameter is _FrozenIntegerParameter:
-        return False
-    namespace = types.ModuleType("torch.nn")
-    namespace.__dict__.update(vars(nn))
-    namespace.Parameter = _FrozenIntegerParameter
-    _fsdp_param.nn = _fsdp_init.nn = namespace
-    return True
+    fsdp_param = _fsdp_param.FSDPParam
+    patched = []
+    init_source = inspect.getsource(fsdp_param._init_sharded_param)
+    if "requires_grad=param.requires_grad" not in init_source and _fsdp_param.nn.Parameter is not (
+        _FrozenIntegerParameter
+    ):
+        namespace = types.ModuleType("torch.nn")
+        namespace.__dict__.update(vars(nn))
+        namespace.Parameter = _FrozenIntegerParameter
+        _fsdp_param.nn = _fsdp_init.nn = namespace
+        patched.append("Parameter")
+    original = fsdp_param.init_dtype_attrs
+    dtype_source = inspect.getsource(original)
+    if "is_floating_point" not in dtype_source and not getattr(original, "_sloth_integer_safe", False):
+
+        def init_dtype_attrs(self, mp_policy) -> None:
+            original(self, mp_policy)
+            if not self.orig_dtype.is_floating_point:
+                self.param_dtype = None  # never cast integer codes
+
+        init_dtype_attrs._sloth_integer_safe = True
+        fsdp_param.init_dtype_attrs = init_dtype_attrs
+        patched.append("init_dtype_attrs")
+    return patched
 
 
 def shard_model(

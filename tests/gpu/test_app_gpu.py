@@ -59,7 +59,9 @@ def test_default_run_on_one_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_ddp_run_with_offload_on_two_gpus(tmp_path):
     # hidden 512: a 2048-token layer input (bf16) is 2 MiB, above the offloader's 1 MiB floor.
+    # The random-weight Llama (the default base, model/tiny_base, has a fixed shape).
     wider = [
+        "model=tiny_llama",
         "model.hidden_size=512",
         "model.intermediate_size=1024",
         "model.num_attention_heads=8",
