@@ -9,6 +9,8 @@ and two GPUs), bf16 mixed precision, gradient clipping at 1.0, fused AdamW::
     sloth_fsdp   SlothFSDPStrategy(kernels=True)                   N processes
     sloth_fsdp_no_reshard   the same with reshard_after_forward=False (weights stay gathered
                  from a layer's forward to its backward: one all-gather per layer per step)
+    sloth_fsdp_node   SlothFSDPStrategy(kernels=True, checkpoint_impl="node") (each checkpointed
+                 layer one autograd node, as on one GPU and under DDP)
     stock_fsdp   ModelParallelStrategy + fully_shard per layer in configure_model, transformers'
                  own modules and gradient checkpointing, SDPA on the packed rows  N processes
 
@@ -42,6 +44,7 @@ SYSTEM_PROCESSES = {
     "sloth_ddp": None,
     "sloth_fsdp": None,
     "sloth_fsdp_no_reshard": None,
+    "sloth_fsdp_node": None,
     "stock_fsdp": None,
 }
 
@@ -188,6 +191,7 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
             "sloth_ddp": lambda: SlothDDPStrategy(kernels=True),
             "sloth_fsdp": lambda: SlothFSDPStrategy(kernels=True),
             "sloth_fsdp_no_reshard": lambda: SlothFSDPStrategy(kernels=True, reshard_after_forward=False),
+            "sloth_fsdp_node": lambda: SlothFSDPStrategy(kernels=True, checkpoint_impl="node"),
             "stock_fsdp": lambda: ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
         }[system]()
         timer = StepTimer()

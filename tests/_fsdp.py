@@ -161,6 +161,7 @@ def fit(
     export_dir: Path | None = None,
     strategy: str = "fsdp",
     quantize: str | None = None,
+    checkpoint_impl: str | None = None,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) process pair."""
@@ -182,7 +183,7 @@ def fit(
     trainer = Trainer(
         accelerator=accelerator,
         devices=WORLD,
-        strategy=strategy_class(kernels=kernels or None, offload=offload),
+        strategy=strategy_class(kernels=kernels or None, offload=offload, checkpoint_impl=checkpoint_impl),
         plugins=[SlothPrecision(precision, quantize=quantize)],
         callbacks=callbacks,
         max_steps=max_steps,
@@ -361,9 +362,9 @@ def parity_and_resume(tmp: Path) -> dict:
 
 
 # (name, family, lora, fit settings): DDP's global-token loss, the MoE path (LoRA on the
-# experts too), NF4 base weights, and activation offload, each against one process. The NF4 run
-# lasts two epochs (one step each), exports its adapter and is resumed from its first epoch's
-# sharded checkpoint.
+# experts too), NF4 base weights, activation offload, and the one-node checkpoint (LoRA with
+# offload, and full fine-tuning), each against one process. The NF4 run lasts two epochs (one step
+# each), exports its adapter and is resumed from its first epoch's sharded checkpoint.
 _ONE_STEP = dict(max_steps=1)
 _TWO_EPOCHS = dict(max_steps=-1, max_epochs=2, num_train=32, shuffle=False)
 MORE_CASES = (
@@ -371,6 +372,9 @@ MORE_CASES = (
     ("moe", "qwen3_moe", True, dict(_ONE_STEP)),
     ("nf4", "qwen3_moe", True, dict(quantize="nf4", **_TWO_EPOCHS)),
     ("offload", "llama", True, dict(offload="on", **_ONE_STEP)),
+    ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
+    ("full", "llama", False, dict(_ONE_STEP)),
+    ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),
 )
 
 
@@ -391,10 +395,27 @@ def _offload_any_size():
 
 def ddp_moe_nf4_offload(tmp: Path) -> dict:
     """The second CPU scenario: :data:`MORE_CASES`, one ``Trainer.fit`` each (and the NF4 resume)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from lightning_sloth.offload.checkpoint import _LayerNode
+
     out: dict = {}
     undo = _offload_any_size()
+    gather, node_forward = _fsdp_param_group.foreach_all_gather, _LayerNode.forward
+    counts = {"all_gathers": 0, "node_forwards": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    _fsdp_param_group.foreach_all_gather = counted("all_gathers", gather)
+    _LayerNode.forward = staticmethod(counted("node_forwards", node_forward))
     try:
         for name, family, lora, settings in MORE_CASES:
+            counts.update(all_gathers=0, node_forwards=0)
             ckpt_dir = tmp / name if "max_epochs" in settings else None
             export_dir = tmp / f"export_{name}" if ckpt_dir is not None else None
             recorder = fit(family, lora, ckpt_dir=ckpt_dir, export_dir=export_dir, **settings)
@@ -404,6 +425,7 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
                 "report": recorder.strategy_report,
                 "offload": recorder.offload_stats,
                 "codes_sharded": recorder.codes_sharded,
+                **counts,  # FSDP2 all-gathers and checkpoint nodes of the whole fit
             }
             if ckpt_dir is not None:
                 out[name]["export"] = recorder.export
@@ -411,6 +433,8 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
                 out[name]["resumed"] = fit(family, lora, ckpt_path=str(first), **settings).losses
     finally:
         undo()
+        _fsdp_param_group.foreach_all_gather = gather
+        _LayerNode.forward = staticmethod(node_forward)
     return out
 
 

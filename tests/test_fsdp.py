@@ -153,12 +153,34 @@ def test_one_device_is_refused_with_a_clear_error():
         Trainer(accelerator="cpu", devices=1, strategy="sloth_fsdp", logger=False)
 
 
-def test_node_checkpoint_is_refused_under_fsdp_and_torchs_is_its_default():
+@pytest.mark.parametrize("node,torchs", [("node_offload", "offload"), ("node_full", "full")])
+def test_node_checkpoint_under_fsdp_equals_torchs_bit_for_bit_with_as_many_all_gathers(
+    more_runs, node, torchs
+):
+    """checkpoint_impl='node' under FSDP2 (LoRA with offload, full fine-tuning): the same losses
+    and gradients as torch's checkpoint, bit for bit, hence one process's on the global batch; the
+    same number of all-gathers (each layer once in the forward, once in the backward: FSDP2 does
+    not reshard inside a backward); the offloader sees the same layer inputs."""
+    for rank in (0, 1):
+        a, b = more_runs[rank][node], more_runs[rank][torchs]
+        assert a["losses"] == b["losses"]
+        assert a["all_gathers"] == b["all_gathers"] > 0
+        assert a["offload"] == b["offload"]
+        micro_batches = len(more_runs[rank][node]["steps"][0]["batches"])
+        assert (a["node_forwards"], b["node_forwards"]) == (2 * micro_batches, 0)  # 2 layers
+    a, b = more_runs[0][node]["steps"][0], more_runs[0][torchs]["steps"][0]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, grad in b["grads"].items():
+        assert torch.equal(a["grads"][name], grad), name
+    lora = node == "node_offload"
+    _assert_step_matches_one_process(more_runs[0][node], more_runs[1][node], "llama", lora)
+
+
+def test_checkpoint_impl_defaults_node_and_torch_under_fsdp():
     from lightning_sloth.plugins import SlothDDPStrategy, SlothFSDPStrategy, SlothStrategy
 
-    with pytest.raises(ValueError, match="sloth_fsdp takes checkpoint_impl='torch' only"):
-        SlothFSDPStrategy(checkpoint_impl="node")
     assert SlothFSDPStrategy().sloth_settings["checkpoint_impl"] == "torch"
+    assert SlothFSDPStrategy(checkpoint_impl="node").sloth_settings["checkpoint_impl"] == "node"
     assert SlothStrategy().sloth_settings["checkpoint_impl"] == "node"
     assert SlothDDPStrategy().sloth_settings["checkpoint_impl"] == "node"
     assert SlothStrategy(checkpoint_impl="torch").sloth_settings["checkpoint_impl"] == "torch"

@@ -328,6 +328,11 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         cpu_offload: FSDP2's ``CPUOffloadPolicy``: sharded weights, gradients and optimizer
             states in host memory.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
+        checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
+            forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
+            order that backward prefetching follows); its recompute runs inside the backward,
+            where FSDP2 neither reshards nor records, so a layer is gathered once in the forward
+            and once (prefetched) in the backward, as with torch's checkpoint.
         *args, **kwargs: :class:`SlothStrategy`'s transformation settings; ``process_group_backend``
             and ``timeout`` go to ``ModelParallelStrategy``.
 
@@ -353,13 +358,6 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
-        if self.sloth_settings["checkpoint_impl"] != "torch":
-            # The node re-enters the layer (and FSDP2's unshard/reduce-scatter hooks) inside a
-            # backward; not tested under sharding, so not offered there.
-            raise ValueError(
-                "sloth_fsdp takes checkpoint_impl='torch' only (its default); checkpoint_impl="
-                f"{self.sloth_settings['checkpoint_impl']!r} is for one device and DDP"
-            )
         self._start_method = start_method
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
