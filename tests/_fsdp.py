@@ -375,6 +375,10 @@ MORE_CASES = (
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
     ("full", "llama", False, dict(_ONE_STEP)),
     ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),
+    # NF4 under bf16-mixed, and the same with FSDP2's dtype rule as torch 2.11 has it (it casts
+    # integer parameters too): the strategy's back-port must make the two runs identical.
+    ("nf4_bf16", "qwen3_moe", True, dict(quantize="nf4", precision="bf16-mixed", **_ONE_STEP)),
+    ("nf4_bf16_torch_2_11", "qwen3_moe", True, dict(quantize="nf4", precision="bf16-mixed", **_ONE_STEP)),
 )
 
 
@@ -391,6 +395,15 @@ def _offload_any_size():
 
     offload.ActivationOffloader = AnySize
     return lambda: setattr(offload, "ActivationOffloader", original)
+
+
+def init_dtype_attrs_torch_2_11(self, mp_policy) -> None:
+    """``FSDPParam.init_dtype_attrs`` as torch 2.11 has it: every parameter, integer ones too, is
+    cast to ``param_dtype`` (torch 2.13 leaves non-floating ones alone)."""
+    self.orig_dtype = self.sharded_param.dtype
+    reduce_dtype = None if mp_policy.reduce_dtype == mp_policy.param_dtype else mp_policy.reduce_dtype
+    self.param_dtype = None if mp_policy.param_dtype == self.orig_dtype else mp_policy.param_dtype
+    self.reduce_dtype = reduce_dtype
 
 
 def ddp_moe_nf4_offload(tmp: Path) -> dict:
@@ -418,7 +431,14 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
             counts.update(all_gathers=0, node_forwards=0)
             ckpt_dir = tmp / name if "max_epochs" in settings else None
             export_dir = tmp / f"export_{name}" if ckpt_dir is not None else None
-            recorder = fit(family, lora, ckpt_dir=ckpt_dir, export_dir=export_dir, **settings)
+            fsdp_param = _fsdp_param_group.FSDPParam
+            init_dtype_attrs = fsdp_param.init_dtype_attrs
+            if name.endswith("_torch_2_11"):
+                fsdp_param.init_dtype_attrs = init_dtype_attrs_torch_2_11
+            try:
+                recorder = fit(family, lora, ckpt_dir=ckpt_dir, export_dir=export_dir, **settings)
+            finally:
+                fsdp_param.init_dtype_attrs = init_dtype_attrs
             out[name] = {
                 "steps": recorder.steps,
                 "losses": recorder.losses,

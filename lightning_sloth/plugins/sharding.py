@@ -19,7 +19,6 @@ parameters the backward pre-hook gathered.
 
 from __future__ import annotations
 
-import inspect
 import types
 from typing import Any
 
@@ -110,35 +109,32 @@ class _FrozenIntegerParameter(nn.Parameter):
 
 
 def allow_integer_parameters_in_fsdp2() -> list[str]:
-    """Let FSDP2 shard frozen integer parameters (the packed 4-bit codes) on torch versions
-    whose ``FSDPParam`` cannot; newer torch (2.13) does both of these itself:
+    """Let FSDP2 shard frozen integer parameters (the packed 4-bit codes) on every torch this
+    package admits. torch 2.13 does both of these itself; torch 2.11 does neither:
 
-    - it builds the sharded parameter with the original ``requires_grad``; older ones build it
-      as ``nn.Parameter(dtensor)`` (``requires_grad=True``, which raises for integer data) and
-      set the flag after: their FSDP2 parameter modules get a copy of ``torch.nn`` whose
-      ``Parameter`` is :class:`_FrozenIntegerParameter`;
-    - it leaves non-floating parameters out of the mixed-precision cast; older ones cast them to
-      ``param_dtype`` like the weights (the codes would arrive as bf16 values): their
-      ``FSDPParam.init_dtype_attrs`` is wrapped to clear ``param_dtype`` for those.
+    - build the sharded parameter with the original ``requires_grad``: 2.11 builds it as
+      ``nn.Parameter(dtensor)`` (``requires_grad=True``, which raises for integer data) and sets
+      the flag after. FSDP2's parameter modules get a copy of ``torch.nn`` whose ``Parameter`` is
+      :class:`_FrozenIntegerParameter`;
+    - leave non-floating parameters out of the mixed-precision cast: 2.11 casts them to
+      ``param_dtype`` like the weights (the codes would arrive as bf16 values).
+      ``FSDPParam.init_dtype_attrs`` is wrapped to clear ``param_dtype`` for them.
 
-    Idempotent. Returns what it patched (empty on a torch that needs nothing).
+    Applied the same way on every version (on 2.13 both changes are no-ops), so the CPU suite runs
+    the code that torch 2.11 needs. Idempotent; returns what it patched now.
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_init, _fsdp_param
 
     fsdp_param = _fsdp_param.FSDPParam
     patched = []
-    init_source = inspect.getsource(fsdp_param._init_sharded_param)
-    if "requires_grad=param.requires_grad" not in init_source and _fsdp_param.nn.Parameter is not (
-        _FrozenIntegerParameter
-    ):
+    if _fsdp_param.nn.Parameter is not _FrozenIntegerParameter:
         namespace = types.ModuleType("torch.nn")
         namespace.__dict__.update(vars(nn))
         namespace.Parameter = _FrozenIntegerParameter
         _fsdp_param.nn = _fsdp_init.nn = namespace
         patched.append("Parameter")
     original = fsdp_param.init_dtype_attrs
-    dtype_source = inspect.getsource(original)
-    if "is_floating_point" not in dtype_source and not getattr(original, "_sloth_integer_safe", False):
+    if not getattr(original, "_sloth_integer_safe", False):
 
         def init_dtype_attrs(self, mp_policy) -> None:
             original(self, mp_policy)
