@@ -73,13 +73,12 @@ def _batches(args, vocab: int, world: int, rank: int) -> list:
 
 def _model(args, attn: str):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from lightning_sloth.bench import SHAPE_FAMILIES, SHAPES
+    from lightning_sloth.bench import shape_config
 
     torch.manual_seed(0)
-    family = SHAPE_FAMILIES.get(args.shape, "llama")
-    config = AutoConfig.for_model(family, **SHAPES[args.shape], attn_implementation=attn, use_cache=False)
+    config = shape_config(args.shape, attn)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run only
     # A LoRA base is built in bf16 directly (a 14B float32 copy would not fit beside it).
     dtype = torch.bfloat16 if args.lora else torch.float32

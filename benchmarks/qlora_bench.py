@@ -33,24 +33,13 @@ import torch
 from lightning_sloth import bench
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = {
-    "llama_3_1_8b": ("llama", bench.SHAPES["llama_3_1_8b"]),
-    "qwen3_14b": ("qwen3", bench.SHAPES["qwen3_14b"]),
-}
-
-
-def model_config(shape: str):
-    from transformers import LlamaConfig, Qwen3Config
-
-    family, kwargs = SHAPES[shape]
-    cls = LlamaConfig if family == "llama" else Qwen3Config
-    return cls(**kwargs, attn_implementation="sdpa", use_cache=False)
+SHAPES = ("llama_3_1_8b", "qwen3_14b")  # entries of bench.SHAPES
 
 
 def quantized_model(shape: str, seed: int):
     from lightning_sloth.quant import random_quantized
 
-    return random_quantized(model_config(shape), "nf4", device="cuda", dtype=torch.bfloat16, seed=seed)
+    return random_quantized(bench.shape_config(shape), "nf4", device="cuda", dtype=torch.bfloat16, seed=seed)
 
 
 def add_lora(model, r: int):
@@ -75,7 +64,9 @@ def sloth_system(quantize: bool, **settings):
         else:
             torch.manual_seed(workload.seed)
             with torch.device("cuda"):
-                model = AutoModelForCausalLM.from_config(model_config(workload.shape), dtype=torch.bfloat16)
+                model = AutoModelForCausalLM.from_config(
+                    bench.shape_config(workload.shape), dtype=torch.bfloat16
+                )
         model = add_lora(model, workload.lora_r)
         model._sloth_report = transform_model(model, kernels=True, **settings)
         return model
@@ -104,7 +95,7 @@ def _fits(model, workload: bench.Workload, tokens: int) -> dict:
         workload, median_len=tokens, min_len=tokens, max_len=tokens, sigma=1e-6, tokens_per_step=tokens,
         warmup_steps=0, timed_steps=1,
     )  # fmt: skip
-    samples = one.samples(SHAPES[workload.shape][1]["vocab_size"])[:1]
+    samples = one.samples(bench.SHAPES[workload.shape]["vocab_size"])[:1]
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
@@ -165,7 +156,6 @@ def probe_max_tokens(args, workload: bench.Workload) -> dict:
 
 
 def run_one(args) -> dict:
-    bench.SHAPES.setdefault(args.shape, SHAPES[args.shape][1])
     bench.SYSTEMS.update(SYSTEMS)
     timed = args.timed_steps
     if args.only == "hf_bnb_padded" and args.padded_timed_steps:
@@ -181,7 +171,7 @@ def run_one(args) -> dict:
     if args.doc_len:  # one length for every document: a step of one long sequence
         workload.median_len = workload.min_len = workload.max_len = args.doc_len
         workload.sigma = 1e-6
-    samples = workload.samples(SHAPES[args.shape][1]["vocab_size"])
+    samples = workload.samples(bench.SHAPES[args.shape]["vocab_size"])
     try:
         result = bench.run_system(args.only, workload, samples, args.peak_tflops * 1e12)
     except torch.OutOfMemoryError as err:

@@ -132,7 +132,12 @@ MOE_LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
             "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}  # fmt: skip
 
 # transformers model type of a shape; shapes not listed are Llamas.
-SHAPE_FAMILIES = {"qwen3_0_6b": "qwen3", "qwen3_14b": "qwen3", "qwen3_30b_a3b_8l": "qwen3_moe", "gpt_oss_20b_8l": "gpt_oss"}
+SHAPE_FAMILIES = {
+    "qwen3_0_6b": "qwen3",
+    "qwen3_14b": "qwen3",
+    "qwen3_30b_a3b_8l": "qwen3_moe",
+    "gpt_oss_20b_8l": "gpt_oss",
+}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
@@ -228,14 +233,21 @@ def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[
         yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
 
 
+def shape_config(shape: str, attn: str = "sdpa"):
+    """The transformers config of a :data:`SHAPES` entry (family from :data:`SHAPE_FAMILIES`)."""
+    from transformers import AutoConfig
+
+    family = SHAPE_FAMILIES.get(shape, "llama")
+    return AutoConfig.for_model(family, **SHAPES[shape], attn_implementation=attn, use_cache=False)
+
+
 def build_base_model(workload: Workload, attn: str):
     """The random-weight model of the workload's shape (family from :data:`SHAPE_FAMILIES`), bf16,
     on :func:`bench_device`; seeded, so every system starts from the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(workload.seed)
-    family = SHAPE_FAMILIES.get(workload.shape, "llama")
-    config = AutoConfig.for_model(family, **SHAPES[workload.shape], attn_implementation=attn, use_cache=False)
+    config = shape_config(workload.shape, attn)
     with torch.device(bench_device()):
         return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
 

@@ -214,12 +214,7 @@ def packed_batch_list(workload: Workload, samples, pad_id: int = 0) -> list:
 
 def base_config(workload: Workload, attn: str = "sdpa"):
     """The transformers config of the workload's shape (family from ``bench.SHAPE_FAMILIES``)."""
-    from transformers import AutoConfig
-
-    family = bench.SHAPE_FAMILIES.get(workload.shape, "llama")
-    return AutoConfig.for_model(
-        family, **bench.SHAPES[workload.shape], attn_implementation=attn, use_cache=False
-    )
+    return bench.shape_config(workload.shape, attn)
 
 
 def quantized_base_model(workload: Workload, quant_type: str = "nf4"):
