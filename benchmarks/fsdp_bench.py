@@ -11,6 +11,8 @@ and two GPUs), bf16 mixed precision, gradient clipping at 1.0, fused AdamW::
                  from a layer's forward to its backward: one all-gather per layer per step)
     sloth_fsdp_node   SlothFSDPStrategy(kernels=True, checkpoint_impl="node") (each checkpointed
                  layer one autograd node, as on one GPU and under DDP)
+    sloth_fsdp_unit4  layers_per_unit=4 (four decoder layers per FSDP2 unit); suffixes combine:
+                 sloth_fsdp[_node][_unitN][_no_reshard]
     stock_fsdp   ModelParallelStrategy + fully_shard per layer in configure_model, transformers'
                  own modules and gradient checkpointing, SDPA on the packed rows  N processes
 
@@ -21,7 +23,10 @@ Processes start the way torchrun starts them (``WORLD_SIZE``/``RANK``/``LOCAL_RA
 set per system. Step time: ``torch.cuda.synchronize`` at the start and end of each training batch
 (forward, backward, clipping, optimizer step); warm-up steps excluded; tokens/s per GPU is each
 rank's real tokens over its timed steps; MFU counts ``CausalLMModule``'s model FLOPs over the
-device's dense bf16 peak. Peak memory is per GPU (the largest over ranks).
+device's dense bf16 peak. Peak memory is per GPU (the largest over ranks). With ``--profile`` each process runs one more
+step (the first timed batch again) under the CUDA profiler and records the share of its wall time
+with any kernel running, with a compute kernel running, and with an NCCL kernel running (NCCL
+kernels also count their wait for the other rank).
 """
 
 from __future__ import annotations
@@ -39,14 +44,40 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
-SYSTEM_PROCESSES = {
-    "sloth_1gpu": 1,
-    "sloth_ddp": None,
-    "sloth_fsdp": None,
-    "sloth_fsdp_no_reshard": None,
-    "sloth_fsdp_node": None,
-    "stock_fsdp": None,
-}
+SYSTEM_PROCESSES = {"sloth_1gpu": 1, "sloth_ddp": None, "stock_fsdp": None}
+
+
+def fsdp_options(system: str) -> dict | None:
+    """``SlothFSDPStrategy`` options of a ``sloth_fsdp[_node][_unitN][_no_reshard]`` system name
+    (``None`` for the other systems)."""
+    if system != "sloth_fsdp" and not system.startswith("sloth_fsdp_"):
+        return None
+    options: dict = {}
+    rest = system.removeprefix("sloth_fsdp")
+    for suffix, option in (("_node", {"checkpoint_impl": "node"}),):
+        if rest.startswith(suffix):
+            options |= option
+            rest = rest.removeprefix(suffix)
+    if rest.startswith("_unit"):
+        digits = rest.removeprefix("_unit").split("_")[0]
+        if not digits.isdigit():
+            raise ValueError(f"unknown system {system!r}: _unit takes a number of layers")
+        options["layers_per_unit"] = int(digits)
+        rest = rest.removeprefix(f"_unit{digits}")
+    if rest == "_no_reshard":
+        options["reshard_after_forward"] = False
+    elif rest:
+        raise ValueError(f"unknown system {system!r}: sloth_fsdp[_node][_unitN][_no_reshard]")
+    return options
+
+
+def processes(system: str, gpus: int) -> int:
+    """How many processes ``system`` trains with."""
+    if fsdp_options(system) is not None:
+        return gpus
+    if system not in SYSTEM_PROCESSES:
+        raise ValueError(f"unknown system {system!r}: one of {sorted(SYSTEM_PROCESSES)} or sloth_fsdp[...]")
+    return SYSTEM_PROCESSES[system] or gpus
 
 
 def _batches(args, vocab: int, world: int, rank: int) -> list:
@@ -139,6 +170,39 @@ class StepTimer(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class ProfiledStep(Callback):
+    """Profile one training batch (CUDA activity): wall time and the shares of it with any kernel,
+    a compute kernel, or an NCCL kernel running."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx, self.result = batch_idx, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            _synchronize()
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler.__enter__()
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx != self.batch_idx:
+            return
+        from lightning_sloth.bench import gpu_busy_ms
+
+        _synchronize()
+        wall_ms = (time.perf_counter() - self._start) * 1e3
+        self._profiler.__exit__(None, None, None)
+        events = [e for e in self._profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        nccl = [e for e in events if "nccl" in e.name.lower()]
+        compute = [e for e in events if "nccl" not in e.name.lower()]
+        self.result = {
+            "profiled_step_ms": wall_ms,
+            "gpu_busy_share": gpu_busy_ms(events) / wall_ms,
+            "compute_busy_share": gpu_busy_ms(compute) / wall_ms,
+            "nccl_busy_share": gpu_busy_ms(nccl) / wall_ms,
+        }
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -185,24 +249,27 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
         optimizer = OptimizerSettings(lr=1e-4 if args.lora else 1e-5, scheduler="constant")
         # The model is PEFT-wrapped already (as built above); CausalLMModule takes it as is.
         module = (_stock_module_class() if stock else CausalLMModule)(model, optimizer=optimizer)
-        strategy = {
-            "sloth_1gpu": lambda: SlothStrategy(kernels=True),
-            "sloth_ddp": lambda: SlothDDPStrategy(kernels=True),
-            "sloth_fsdp": lambda: SlothFSDPStrategy(kernels=True),
-            "sloth_fsdp_no_reshard": lambda: SlothFSDPStrategy(kernels=True, reshard_after_forward=False),
-            "sloth_fsdp_node": lambda: SlothFSDPStrategy(kernels=True, checkpoint_impl="node"),
-            "stock_fsdp": lambda: ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        }[system]()
+        sharded = fsdp_options(system)
+        strategy = (
+            SlothFSDPStrategy(kernels=True, **sharded)
+            if sharded is not None
+            else {
+                "sloth_1gpu": lambda: SlothStrategy(kernels=True),
+                "sloth_ddp": lambda: SlothDDPStrategy(kernels=True),
+                "stock_fsdp": lambda: ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+            }[system]()
+        )
         timer = StepTimer()
         guard = GradientFlowGuard(every_n_steps=args.warmup + args.steps - 1)
+        profiled = ProfiledStep(args.warmup + args.steps) if args.profile and cuda else None
         trainer = Trainer(
             accelerator="gpu" if cuda else "cpu",
             devices=world,
             strategy=strategy,
             precision="bf16-mixed" if stock else None,
             plugins=None if stock else [SlothPrecision("bf16-mixed")],
-            callbacks=[timer, guard],
-            max_steps=args.warmup + args.steps,
+            callbacks=[timer, guard] + ([profiled] if profiled else []),
+            max_steps=args.warmup + args.steps + (1 if profiled else 0),
             gradient_clip_val=1.0,
             use_distributed_sampler=False,
             limit_val_batches=0,
@@ -215,9 +282,11 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         batches = _batches(args, vocab, world, rank)
+        if profiled:
+            batches.append(batches[args.warmup])
         loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
         trainer.fit(module, train_dataloaders=loader)
-        timed = slice(args.warmup, None)
+        timed = slice(args.warmup, args.warmup + args.steps)
         times, tokens, flops = timer.times[timed], timer.tokens[timed], timer.flops[timed]
         result |= {
             "tokens_per_s_per_gpu": sum(tokens) / sum(times),
@@ -232,6 +301,8 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
             "timed_steps": len(times),
             "applied": list(getattr(getattr(strategy, "sloth_report", None), "applied", []) or []),
         }
+        if profiled:
+            result |= profiled.result
     except torch.OutOfMemoryError as error:
         result |= {"error": f"out of memory: {str(error).splitlines()[0]}"}
     except Exception as error:  # recorded, so the other systems still run
@@ -240,7 +311,7 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
 
 
 def run_system(system: str, args) -> dict:
-    world = SYSTEM_PROCESSES[system] or args.gpus
+    world = processes(system, args.gpus)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _worker,
@@ -267,6 +338,9 @@ def run_system(system: str, args) -> dict:
         merged["peak_reserved_gib"] = max(r["peak_reserved_gib"] for r in ranks)
         merged["tokens_per_s_per_gpu"] = statistics.mean(r["tokens_per_s_per_gpu"] for r in ranks)
         merged["mfu"] = statistics.mean(r["mfu"] for r in ranks)
+        for key in ("gpu_busy_share", "compute_busy_share", "nccl_busy_share"):
+            if key in merged:
+                merged[key] = statistics.mean(r[key] for r in ranks)
     return merged
 
 
@@ -283,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
     parser.add_argument("--system-timeout", type=float, default=180, help="seconds per system")
+    parser.add_argument("--profile", action="store_true", help="one more step, profiled (CUDA)")
     parser.add_argument("--git-commit", default=None, help="recorded with each result")
     parser.add_argument("--out", default=None, help="JSON file; results of earlier runs in it are kept")
     args = parser.parse_args(argv)
@@ -291,9 +366,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = (
         json.loads(out.read_text()) if out and out.is_file() else {"environment": environment(), "runs": []}
     )
-    for system in args.systems.split(","):
+    systems = args.systems.split(",")
+    for system in systems:
+        processes(system, args.gpus)  # an unknown name stops before any system runs
+    for system in systems:
         result = run_system(system, args)
-        result |= {"shape": args.shape, "lora": args.lora, "gpus": SYSTEM_PROCESSES[system] or args.gpus}
+        result |= {"shape": args.shape, "lora": args.lora, "gpus": processes(system, args.gpus)}
         result |= {"warmup_steps": args.warmup, "tokens_budget_per_gpu": args.tokens}
         if args.git_commit:
             result["git_commit"] = args.git_commit

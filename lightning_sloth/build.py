@@ -282,6 +282,7 @@ def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = Fals
             start_method=ddp_start_method(multirun),
             reshard_after_forward=trainer.fsdp_reshard_after_forward,
             cpu_offload=trainer.fsdp_cpu_offload,
+            layers_per_unit=trainer.fsdp_layers_per_unit,
             **settings,
         )
     if num_processes(trainer) == 1:

@@ -162,6 +162,7 @@ def fit(
     strategy: str = "fsdp",
     quantize: str | None = None,
     checkpoint_impl: str | None = None,
+    layers_per_unit: int = 1,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) process pair."""
@@ -174,6 +175,7 @@ def fit(
         optimizer=OptimizerSettings(lr=1e-2, scheduler="constant"),
     )
     strategy_class = SlothFSDPStrategy if strategy == "fsdp" else SlothDDPStrategy
+    sharding = dict(layers_per_unit=layers_per_unit) if strategy == "fsdp" else {}
     recorder = Recorder()
     callbacks: list[Callback] = [recorder, GradientFlowGuard(every_n_steps=1)]
     if ckpt_dir is not None:
@@ -183,7 +185,9 @@ def fit(
     trainer = Trainer(
         accelerator=accelerator,
         devices=WORLD,
-        strategy=strategy_class(kernels=kernels or None, offload=offload, checkpoint_impl=checkpoint_impl),
+        strategy=strategy_class(
+            kernels=kernels or None, offload=offload, checkpoint_impl=checkpoint_impl, **sharding
+        ),
         plugins=[SlothPrecision(precision, quantize=quantize)],
         callbacks=callbacks,
         max_steps=max_steps,
@@ -375,6 +379,9 @@ MORE_CASES = (
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
     ("full", "llama", False, dict(_ONE_STEP)),
     ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),
+    # Both decoder layers in one FSDP2 unit, under each checkpoint.
+    ("unit2_offload", "llama", True, dict(offload="on", layers_per_unit=2, **_ONE_STEP)),
+    ("unit2_node_full", "llama", False, dict(checkpoint_impl="node", layers_per_unit=2, **_ONE_STEP)),
     # NF4 under bf16-mixed, and the same with FSDP2's dtype rule as torch 2.11 has it (it casts
     # integer parameters too): the strategy's back-port must make the two runs identical.
     ("nf4_bf16", "qwen3_moe", True, dict(quantize="nf4", precision="bf16-mixed", **_ONE_STEP)),

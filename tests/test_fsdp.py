@@ -190,6 +190,32 @@ def test_node_checkpoint_under_fsdp_equals_torchs_bit_for_bit_with_as_many_all_g
     _assert_step_matches_one_process(more_runs[0][node], more_runs[1][node], "llama", lora)
 
 
+@pytest.mark.parametrize(
+    "grouped,per_layer", [("unit2_offload", "offload"), ("unit2_node_full", "node_full")]
+)
+def test_layers_grouped_in_one_unit_train_bit_for_bit_with_fewer_all_gathers(more_runs, grouped, per_layer):
+    """layers_per_unit=2 (both decoder layers in one FSDP2 unit; torch's checkpoint with offload,
+    and the one-node checkpoint in full fine-tuning): losses and gradients bit for bit those of one
+    unit per layer, with fewer all-gathers; the offloader sees the same layer inputs."""
+    for rank in (0, 1):
+        a, b = more_runs[rank][grouped], more_runs[rank][per_layer]
+        assert "fully_shard (2 decoder layers, 2 per unit, then the root)" in a["report"]
+        assert a["losses"] == b["losses"]
+        assert 0 < a["all_gathers"] < b["all_gathers"]
+        assert a["offload"] == b["offload"]
+        assert a["node_forwards"] == b["node_forwards"]
+    a, b = more_runs[0][grouped]["steps"][0], more_runs[0][per_layer]["steps"][0]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, grad in b["grads"].items():
+        assert torch.equal(a["grads"][name], grad), name
+
+
+def test_layers_per_unit_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ShardingError, match="layers_per_unit must be a positive integer"):
+            SlothFSDPStrategy(layers_per_unit=bad)
+
+
 def test_checkpoint_impl_defaults_node_and_torch_under_fsdp():
     from lightning_sloth.plugins import SlothDDPStrategy, SlothFSDPStrategy, SlothStrategy
 
@@ -240,6 +266,20 @@ def test_hydra_trainer_fsdp_builds_the_fsdp_strategy(hydra_conf, tmp_path, multi
         assert strategy.launcher._start_method == "spawn"
     else:
         assert isinstance(strategy.launcher, _SubprocessScriptLauncher)
+
+
+def test_hydra_fsdp_options_reach_the_strategy(hydra_conf, tmp_path):
+    overrides = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp_layers_per_unit=4"]
+    overrides += ["trainer.fsdp_reshard_after_forward=false"]
+    strategy = build.build_trainer(
+        compose("train", overrides=overrides), tmp_path, callbacks=[], loggers=False
+    ).strategy
+    assert (strategy.layers_per_unit, strategy.reshard_after_forward) == (4, False)
+    bad = compose(
+        "train", overrides=["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp_layers_per_unit=0"]
+    )
+    with pytest.raises(ShardingError, match="layers_per_unit must be a positive integer, got 0"):
+        build.build_trainer(bad, tmp_path, callbacks=[], loggers=False)
 
 
 def test_hydra_ddp_uses_the_global_token_loss(hydra_conf, tmp_path):

@@ -327,6 +327,9 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             keep them for the backward, fewer all-gathers, more memory).
         cpu_offload: FSDP2's ``CPUOffloadPolicy``: sharded weights, gradients and optimizer
             states in host memory.
+        layers_per_unit: consecutive decoder layers sharded as one FSDP2 unit (gathered and
+            reduced together, one set of FSDP2 hooks): less host time and fewer collectives per
+            step for more gathered weights at a time.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
         checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
             forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
@@ -353,14 +356,18 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         start_method: str = "popen",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        layers_per_unit: int = 1,
         **kwargs: Any,
     ) -> None:
+        from lightning_sloth.plugins.sharding import check_layers_per_unit
+
         super().__init__(*args, **kwargs)
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.layers_per_unit = check_layers_per_unit(layers_per_unit)
 
     def _configure_launcher(self) -> None:
         from lightning_sloth.plugins.sharding import ShardingError
@@ -405,8 +412,10 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             policy,
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
+            layers_per_unit=self.layers_per_unit,
         )
-        report.applied.append(f"fully_shard ({layers} decoder layers, then the root)")
+        per_unit = f", {self.layers_per_unit} per unit" if self.layers_per_unit > 1 else ""
+        report.applied.append(f"fully_shard ({layers} decoder layers{per_unit}, then the root)")
         return report
 
     @classmethod
