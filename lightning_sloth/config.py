@@ -239,7 +239,8 @@ class TrainerConfig:
             ``SlothFSDPStrategy``; ``trainer=fsdp``).
         fsdp_reshard_after_forward: FSDP2 frees each layer's gathered weights after its forward.
         fsdp_cpu_offload: FSDP2 keeps sharded weights, gradients and optimizer states on the host.
-        fsdp_layers_per_unit: consecutive decoder layers FSDP2 gathers and reduces as one unit.
+        fsdp_layers_per_unit: consecutive decoder layers FSDP2 gathers and reduces as one unit
+            (``null``: as many as hold 250M parameters, at least one).
         max_epochs: ``-1`` lets ``max_steps`` alone end the run.
         val_check_interval: validate every this many training batches (counted across epochs).
         limit_val_batches: validate on at most this many batches (``None``: all).
@@ -257,7 +258,7 @@ class TrainerConfig:
     sharding: Sharding = Sharding.ddp
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
-    fsdp_layers_per_unit: int = 1
+    fsdp_layers_per_unit: int | None = None
     max_steps: int = 300
     max_epochs: int = -1
     val_check_interval: int = 50

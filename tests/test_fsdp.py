@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_module
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from lightning_sloth import SlothDDPStrategy, SlothFSDPStrategy, build
 from lightning_sloth.config import Sharding
@@ -191,11 +192,11 @@ def test_node_checkpoint_under_fsdp_equals_torchs_bit_for_bit_with_as_many_all_g
 
 
 @pytest.mark.parametrize(
-    "grouped,per_layer", [("unit2_offload", "offload"), ("unit2_node_full", "node_full")]
+    "grouped,per_layer", [("unit2_offload", "offload"), ("unit2_full", "full")]
 )
 def test_layers_grouped_in_one_unit_train_bit_for_bit_with_fewer_all_gathers(more_runs, grouped, per_layer):
-    """layers_per_unit=2 (both decoder layers in one FSDP2 unit; torch's checkpoint with offload,
-    and the one-node checkpoint in full fine-tuning): losses and gradients bit for bit those of one
+    """Both decoder layers in one FSDP2 unit (LoRA with offload: the automatic grouping of small
+    layers; full fine-tuning: layers_per_unit=2): losses and gradients bit for bit those of one
     unit per layer, with fewer all-gathers; the offloader sees the same layer inputs."""
     for rank in (0, 1):
         a, b = more_runs[rank][grouped], more_runs[rank][per_layer]
@@ -203,7 +204,7 @@ def test_layers_grouped_in_one_unit_train_bit_for_bit_with_fewer_all_gathers(mor
         assert a["losses"] == b["losses"]
         assert 0 < a["all_gathers"] < b["all_gathers"]
         assert a["offload"] == b["offload"]
-        assert a["node_forwards"] == b["node_forwards"]
+        assert "fully_shard (2 decoder layers, then the root)" in b["report"]
     a, b = more_runs[0][grouped]["steps"][0], more_runs[0][per_layer]["steps"][0]
     assert a["grads"].keys() == b["grads"].keys()
     for name, grad in b["grads"].items():
@@ -214,6 +215,29 @@ def test_layers_per_unit_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ShardingError, match="layers_per_unit must be a positive integer"):
             SlothFSDPStrategy(layers_per_unit=bad)
+
+
+def test_the_node_checkpoint_takes_one_layer_per_unit():
+    assert SlothFSDPStrategy(checkpoint_impl="node").layers_per_unit == 1
+    assert SlothFSDPStrategy(checkpoint_impl="node", layers_per_unit=1).layers_per_unit == 1
+    assert SlothFSDPStrategy().layers_per_unit is None  # automatic
+    with pytest.raises(ShardingError, match="checkpoint_impl='node' takes one decoder layer per FSDP2 unit"):
+        SlothFSDPStrategy(checkpoint_impl="node", layers_per_unit=2)
+
+
+@pytest.mark.parametrize("shape,per_unit", [("llama_3_2_1b", 4), ("llama_3_1_8b", 1), ("qwen3_14b", 1)])
+def test_automatic_units_hold_at_most_250m_parameters(shape, per_unit):
+    from lightning_sloth.bench import shape_config
+    from lightning_sloth.plugins.sharding import AUTO_UNIT_PARAMETERS, auto_layers_per_unit
+
+    config = shape_config(shape, "sdpa")
+    config.num_hidden_layers = 2
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = shardable_layers(model)
+    assert auto_layers_per_unit(layers) == per_unit
+    layer_params = sum(p.numel() for p in layers[0].parameters())
+    assert per_unit == 1 or per_unit * layer_params <= AUTO_UNIT_PARAMETERS < (per_unit + 1) * layer_params
 
 
 def test_checkpoint_impl_defaults_node_and_torch_under_fsdp():
@@ -278,7 +302,7 @@ def test_hydra_fsdp_options_reach_the_strategy(hydra_conf, tmp_path):
     bad = compose(
         "train", overrides=["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp_layers_per_unit=0"]
     )
-    with pytest.raises(ShardingError, match="layers_per_unit must be a positive integer, got 0"):
+    with pytest.raises(ShardingError, match=r"layers_per_unit must be a positive integer.*got 0"):
         build.build_trainer(bad, tmp_path, callbacks=[], loggers=False)
 
 

@@ -147,11 +147,29 @@ def allow_integer_parameters_in_fsdp2() -> list[str]:
     return patched
 
 
-def check_layers_per_unit(layers_per_unit: object) -> int:
-    """``layers_per_unit`` if it is a positive ``int``; else :class:`ShardingError`."""
+# ``layers_per_unit=None`` groups consecutive decoder layers into FSDP2 units of at most this many
+# parameters (at least one layer each): a unit's hooks, copies and collectives cost host and GPU
+# time of their own, which a small layer cannot hide (Llama-3.2-1B: four layers per unit; an
+# 8B or 14B layer is a unit by itself).
+AUTO_UNIT_PARAMETERS = 250_000_000
+
+
+def check_layers_per_unit(layers_per_unit: object) -> int | None:
+    """``layers_per_unit`` if it is ``None`` or a positive ``int``; else :class:`ShardingError`."""
+    if layers_per_unit is None:
+        return None
     if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise ShardingError(f"layers_per_unit must be a positive integer, got {layers_per_unit!r}")
+        raise ShardingError(
+            f"layers_per_unit must be a positive integer (or None: automatic), got {layers_per_unit!r}"
+        )
     return layers_per_unit
+
+
+def auto_layers_per_unit(layers: nn.ModuleList) -> int:
+    """Consecutive layers per FSDP2 unit for ``layers_per_unit=None``: as many of the largest
+    layer as :data:`AUTO_UNIT_PARAMETERS` holds, at least one."""
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    return max(1, AUTO_UNIT_PARAMETERS // max(largest, 1))
 
 
 def shard_model(
@@ -162,8 +180,8 @@ def shard_model(
     *,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
-    layers_per_unit: int = 1,
-) -> int:
+    layers_per_unit: int | None = None,
+) -> tuple[int, int]:
     """``fully_shard`` the decoder layers of ``hf_model`` (one unit per ``layers_per_unit``
     consecutive layers), then ``hf_model`` itself; in place.
 
@@ -179,9 +197,10 @@ def shard_model(
         layers_per_unit: consecutive decoder layers in one FSDP2 unit (``fully_shard`` of the
             list): gathered, resharded and reduced together, with one set of FSDP2 hooks. Fewer,
             larger collectives and less host time per step, for more gathered weights at once.
+            ``None``: :func:`auto_layers_per_unit`.
 
     Returns:
-        The number of decoder layers sharded.
+        The number of decoder layers sharded, and the layers per unit.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
@@ -204,20 +223,20 @@ def shard_model(
         )
     if any(not (p.is_floating_point() or p.is_complex()) for p in hf_model.parameters()):
         allow_integer_parameters_in_fsdp2()  # packed 4-bit codes
-    check_layers_per_unit(layers_per_unit)
     layers = shardable_layers(hf_model)
+    per_unit = min(check_layers_per_unit(layers_per_unit) or auto_layers_per_unit(layers), len(layers))
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
         mp_policy=policy,
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
-    for start in range(0, len(layers), layers_per_unit):
-        unit = list(layers[start : start + layers_per_unit])
+    for start in range(0, len(layers), per_unit):
+        unit = list(layers[start : start + per_unit])
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's weights (embedding, final norm, lm_head) are needed again at once by the
     # backward: never reshard them after the forward.
     fully_shard(hf_model, reshard_after_forward=False, **kwargs)
-    return len(layers)
+    return len(layers), per_unit
 
 
 def full_state_dict(module: nn.Module) -> dict[str, Tensor]:

@@ -329,13 +329,17 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             states in host memory.
         layers_per_unit: consecutive decoder layers sharded as one FSDP2 unit (gathered and
             reduced together, one set of FSDP2 hooks): less host time and fewer collectives per
-            step for more gathered weights at a time.
+            step for more gathered weights at a time. ``None`` (the default): as many layers as
+            hold 250M parameters (:func:`~lightning_sloth.plugins.sharding.auto_layers_per_unit`:
+            four of a Llama-3.2-1B, one of an 8B), one per unit under ``checkpoint_impl="node"``.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
         checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
             forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
             order that backward prefetching follows); its recompute runs inside the backward,
             where FSDP2 neither reshards nor records, so a layer is gathered once in the forward
-            and once (prefetched) in the backward, as with torch's checkpoint.
+            and once (prefetched) in the backward, as with torch's checkpoint. The node takes
+            one layer per FSDP2 unit (with several, a unit's weights were found resharded
+            before its other layers' recompute on two GPUs).
         *args, **kwargs: :class:`SlothStrategy`'s transformation settings; ``process_group_backend``
             and ``timeout`` go to ``ModelParallelStrategy``.
 
@@ -356,18 +360,25 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         start_method: str = "popen",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        layers_per_unit: int = 1,
+        layers_per_unit: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from lightning_sloth.plugins.sharding import check_layers_per_unit
+        from lightning_sloth.plugins.sharding import ShardingError, check_layers_per_unit
 
         super().__init__(*args, **kwargs)
+        if self.sloth_settings["checkpoint_impl"] == "node" and layers_per_unit not in (None, 1):
+            raise ShardingError(
+                f"checkpoint_impl='node' takes one decoder layer per FSDP2 unit, got "
+                f"layers_per_unit={layers_per_unit!r}: use checkpoint_impl='torch' to group layers"
+            )
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.layers_per_unit = check_layers_per_unit(layers_per_unit)
+        if self.sloth_settings["checkpoint_impl"] == "node":
+            self.layers_per_unit = 1
 
     def _configure_launcher(self) -> None:
         from lightning_sloth.plugins.sharding import ShardingError
@@ -405,7 +416,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         quantized = convert_before_sharding(self.precision_plugin, self.lightning_module, self.root_device)
         if quantized:
             report.applied.append(f"4-bit base weights ({quantized} tensors, sharded)")
-        layers = shard_model(
+        layers, per_unit = shard_model(
             self.lightning_module,
             hf_model,
             self.device_mesh["data_parallel"],
@@ -414,8 +425,8 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             cpu_offload=self.cpu_offload,
             layers_per_unit=self.layers_per_unit,
         )
-        per_unit = f", {self.layers_per_unit} per unit" if self.layers_per_unit > 1 else ""
-        report.applied.append(f"fully_shard ({layers} decoder layers{per_unit}, then the root)")
+        grouped = f", {per_unit} per unit" if per_unit > 1 else ""
+        report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root)")
         return report
 
     @classmethod
