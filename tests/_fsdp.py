@@ -288,7 +288,7 @@ def reference_step(
         quantize_model(module, quantize, device=device)  # where the sharded run quantised them
         params = dict(module.named_parameters())
         codes = {n: p for n, p in step_rank0["params"].items() if p.dtype == torch.uint8}
-        assert codes and all(torch.equal(params[n], p) for n, p in codes.items())
+        assert codes and all(torch.equal(params[n].cpu(), p.cpu()) for n, p in codes.items())
         floats = {n: p for n, p in step_rank0["params"].items() if n not in codes}
         missing, unexpected = module.load_state_dict(floats, strict=False)
         assert not unexpected and set(missing) == codes.keys() | {
