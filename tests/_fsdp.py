@@ -269,6 +269,7 @@ def reference_step(
     hidden: int = 64,
     bf16_autocast: bool = False,
     quantize: str | None = None,
+    bf16_weights: bool = False,
 ):
     """One process, the same global batch: ``(loss, grads, grad_norm)`` of one optimizer step.
 
@@ -277,7 +278,9 @@ def reference_step(
     with plain modules, or (``bf16_autocast``) bf16 autocast with the kernels on. With
     ``quantize`` the base weights are stored in 4 bits first (the same seeded weights give the
     same codes and block scales, which are buffers and not recorded): the codes gathered from
-    the shards must equal them bit for bit.
+    the shards must equal them bit for bit. ``bf16_weights`` (with ``bf16_autocast``) stores the
+    floating parameters in bf16 as FSDP2's ``param_dtype`` does, so activations between ops
+    (the residual stream too) are bf16, where autocast alone keeps float32 weights' outputs.
     """
     data_vocab = len(build_char_tokenizer())
     model = tiny_model(family, data_vocab, hidden=hidden)
@@ -297,6 +300,10 @@ def reference_step(
     else:
         module.load_state_dict(step_rank0["params"], strict=True)
     module.to(device).train()
+    if bf16_weights:
+        for param in module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(torch.bfloat16)
     transform_model(
         module, packed_attention=True, gradient_checkpointing=False, kernels=bf16_autocast or None
     )

@@ -191,9 +191,7 @@ def test_node_checkpoint_under_fsdp_equals_torchs_bit_for_bit_with_as_many_all_g
     _assert_step_matches_one_process(more_runs[0][node], more_runs[1][node], "llama", lora)
 
 
-@pytest.mark.parametrize(
-    "grouped,per_layer", [("unit2_offload", "offload"), ("unit2_full", "full")]
-)
+@pytest.mark.parametrize("grouped,per_layer", [("unit2_offload", "offload"), ("unit2_full", "full")])
 def test_layers_grouped_in_one_unit_train_bit_for_bit_with_fewer_all_gathers(more_runs, grouped, per_layer):
     """Both decoder layers in one FSDP2 unit (LoRA with offload: the automatic grouping of small
     layers; full fine-tuning: layers_per_unit=2): losses and gradients bit for bit those of one

@@ -36,7 +36,9 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     [(True, "llama", True, None), (False, "llama", False, None), ("moe_nf4", "qwen3_moe", True, "nf4")],
 )
 def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, case, family, lora, quantize):
-    """FSDP2 in bf16 (kernels on) vs float32 on one GPU; its error is that of one-GPU bf16."""
+    """FSDP2 in bf16 (kernels on) vs float32 on one GPU; its error is that of one-GPU bf16, with
+    float32 weights under autocast or, as FSDP2's ``param_dtype`` keeps them, with bf16 weights
+    (bf16 activations between ops: MoE routing near ties can send a token to another expert)."""
     record, other = runs[0][case], runs[1][case]
     assert "kernels" in record["report"] and any("fully_shard" in a for a in record["report"])
     step0, step1 = record["steps"][0], other["steps"][0]
@@ -45,19 +47,23 @@ def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, case, f
     bf16_loss, bf16_grads, _ = _fsdp.reference_step(
         family, lora, step0, step1, bf16_autocast=True, **settings
     )
+    _, bf16_weight_grads, _ = _fsdp.reference_step(
+        family, lora, step0, step1, bf16_autocast=True, bf16_weights=True, **settings
+    )
     sharded_loss = _fsdp.global_loss(record, other, 0)
     assert sharded_loss == pytest.approx(float(loss), rel=1e-2)
     worst = {}
     for name, grad in grads.items():
         error = _relative_error(step0["grads"][name], grad)
         one_gpu = _relative_error(bf16_grads[name], grad)
-        worst[name] = (error, one_gpu)
-        assert error <= max(2 * one_gpu, 1e-2), (name, error, one_gpu)
+        one_gpu_bf16_weights = _relative_error(bf16_weight_grads[name], grad)
+        worst[name] = (error, one_gpu, one_gpu_bf16_weights)
+        assert error <= max(2 * one_gpu, 2 * one_gpu_bf16_weights, 1e-2), (name, worst[name])
     name = max(worst, key=lambda n: worst[n][0])
     print(
         f"{family} lora={lora} quantize={quantize}: loss fsdp {sharded_loss:.6f} / fp32 {float(loss):.6f} / bf16 1-GPU "
         f"{float(bf16_loss):.6f}; worst gradient {name}: relative error {worst[name][0]:.2e} "
-        f"(one-GPU bf16: {worst[name][1]:.2e})"
+        f"(one-GPU bf16: {worst[name][1]:.2e}, with bf16 weights {worst[name][2]:.2e})"
     )
 
 
