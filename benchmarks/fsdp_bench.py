@@ -296,7 +296,7 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
             "first_loss": timer.losses[0],
-            "last_loss": timer.losses[-1],
+            "last_loss": timer.losses[timed][-1],
             "grad_norm_last_step": guard.last_grad_norm,
             "timed_steps": len(times),
             "applied": list(getattr(getattr(strategy, "sloth_report", None), "applied", []) or []),
