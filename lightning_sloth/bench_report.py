@@ -406,12 +406,15 @@ def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
         "peak allocated (reserved) per GPU",
     ]
     header += ["MFU", "loss first → last", "grad norm", "steps"]
+    busy = any("gpu_busy_share" in r for r in runs)  # fsdp_bench --profile
+    if busy:
+        header.append("GPU busy (compute / NCCL)")
     lines = ["| " + " | ".join(header) + " |", "| --- | --- | --- |" + " ---: |" * (len(header) - 3)]
     for r in runs:
         head = f"| {r['shape']} | {'r=16' if r.get('lora') else 'full'} | `{r['system']}` | {r.get('gpus', r.get('world'))} |"
         if "tokens_per_s_per_gpu" not in r:
             first = r.get("error", "").split(". ")[0]  # the first sentence of the error
-            lines.append(head + f" **error**: {_cell(first[:200])} |" + f" {DASH} |" * 6)
+            lines.append(head + f" **error**: {_cell(first[:200])} |" + f" {DASH} |" * (len(header) - 5))
             continue
         tps = f"{r['tokens_per_s_per_gpu']:,.0f}"
         base = single.get((r["shape"], r.get("lora")))
@@ -421,6 +424,13 @@ def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
             head + f" {tps} | {r['median_step_s']:.3f} s | {r['peak_allocated_gib']:.2f} GiB "
             f"({r['peak_reserved_gib']:.1f}) | {_pct(r.get('mfu'))} | {r['first_loss']:.3f} → "
             f"{r['last_loss']:.3f} | {r['grad_norm_last_step']:.4g} | {r.get('warmup_steps')} + {r['timed_steps']} |"
+            + (
+                f" {_pct(r['gpu_busy_share'])} ({_pct(r['compute_busy_share'])} / {_pct(r['nccl_busy_share'])}) |"
+                if "gpu_busy_share" in r
+                else f" {DASH} |"
+                if busy
+                else ""
+            )
         )
     return _env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
 

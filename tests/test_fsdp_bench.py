@@ -42,3 +42,39 @@ def test_an_unknown_sloth_fsdp_system_is_refused(system):
 def test_an_unknown_system_is_refused_before_any_runs():
     with pytest.raises(ValueError, match="unknown system 'ddp'"):
         fsdp_bench.main(["--systems", "sloth_fsdp,ddp"])
+
+
+def test_the_fsdp_table_shows_scaling_and_busy_shares_where_profiled():
+    from lightning_sloth.bench_report import render_fsdp
+
+    def run(system, world, tps, **extra):
+        return {
+            "system": system,
+            "world": world,
+            "gpus": world,
+            "shape": "llama_3_2_1b",
+            "lora": True,
+            "tokens_per_s_per_gpu": tps,
+            "median_step_s": 0.3,
+            "peak_allocated_gib": 4.0,
+            "peak_reserved_gib": 5.0,
+            "mfu": 0.4,
+            "first_loss": 12.0,
+            "last_loss": 11.9,
+            "grad_norm_last_step": 0.25,
+            "warmup_steps": 3,
+            "timed_steps": 10,
+        } | extra
+
+    shares = dict(gpu_busy_share=0.9, compute_busy_share=0.85, nccl_busy_share=0.11)
+    runs = [run("sloth_1gpu", 1, 60000.0, **shares), run("sloth_fsdp", 2, 54000.0, **shares)]
+    runs.append(
+        {"system": "sloth_fsdp_unit9", "world": 2, "gpus": 2, "shape": "llama_3_2_1b", "error": "boom"}
+    )
+    report = {"environment": {"device": "NVIDIA H200", "torch": "2.11"}, "runs": runs}
+    table = render_fsdp([report], ["x.json"], {})
+    rows = [line for line in table.splitlines() if line.startswith("| llama")]
+    assert "GPU busy (compute / NCCL)" in table
+    assert "54,000 (90.0% scaling)" in rows[1] and rows[1].endswith("| 90.0% (85.0% / 11.0%) |")
+    header = next(line for line in table.splitlines() if line.startswith("| shape"))
+    assert rows[2].count("|") == header.count("|")  # an error row keeps the columns
