@@ -163,6 +163,7 @@ def fit(
     quantize: str | None = None,
     checkpoint_impl: str | None = None,
     layers_per_unit: int | None = None,
+    compile: bool = False,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) process pair."""
@@ -176,6 +177,8 @@ def fit(
     )
     strategy_class = SlothFSDPStrategy if strategy == "fsdp" else SlothDDPStrategy
     sharding = dict(layers_per_unit=layers_per_unit) if strategy == "fsdp" else {}
+    if compile:
+        sharding["compile"] = True
     recorder = Recorder()
     callbacks: list[Callback] = [recorder, GradientFlowGuard(every_n_steps=1)]
     if ckpt_dir is not None:
@@ -389,6 +392,8 @@ MORE_CASES = (
     # Both (tiny) decoder layers in one FSDP2 unit: the automatic grouping, and asked for.
     ("unit2_offload", "llama", True, dict(offload="on", **_ONE_STEP)),
     ("unit2_full", "llama", False, dict(layers_per_unit=2, **_ONE_STEP)),
+    # Regional compile of each layer before sharding (the last transformation), with offload.
+    ("compile", "llama", True, dict(offload="on", compile=True, layers_per_unit=1, **_ONE_STEP)),
     # NF4 under bf16-mixed, and the same with FSDP2's dtype rule as torch 2.11 has it (it casts
     # integer parameters too): the strategy's back-port must make the two runs identical.
     ("nf4_bf16", "qwen3_moe", True, dict(quantize="nf4", precision="bf16-mixed", **_ONE_STEP)),
@@ -422,6 +427,7 @@ def init_dtype_attrs_torch_2_11(self, mp_policy) -> None:
 
 def ddp_moe_nf4_offload(tmp: Path) -> dict:
     """The second CPU scenario: :data:`MORE_CASES`, one ``Trainer.fit`` each (and the NF4 resume)."""
+    from torch._dynamo.utils import counters as dynamo_counters
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     from lightning_sloth.offload.checkpoint import _LayerNode
@@ -429,7 +435,7 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
     out: dict = {}
     undo = _offload_any_size()
     gather, node_forward = _fsdp_param_group.foreach_all_gather, _LayerNode.forward
-    counts = {"all_gathers": 0, "node_forwards": 0}
+    counts = {"all_gathers": 0, "node_forwards": 0, "compiled_graphs": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -442,17 +448,19 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
     _LayerNode.forward = staticmethod(counted("node_forwards", node_forward))
     try:
         for name, family, lora, settings in MORE_CASES:
-            counts.update(all_gathers=0, node_forwards=0)
+            counts.update(all_gathers=0, node_forwards=0, compiled_graphs=0)
             ckpt_dir = tmp / name if "max_epochs" in settings else None
             export_dir = tmp / f"export_{name}" if ckpt_dir is not None else None
             fsdp_param = _fsdp_param_group.FSDPParam
             init_dtype_attrs = fsdp_param.init_dtype_attrs
             if name.endswith("_torch_2_11"):
                 fsdp_param.init_dtype_attrs = init_dtype_attrs_torch_2_11
+            graphs = dynamo_counters["stats"]["unique_graphs"]
             try:
                 recorder = fit(family, lora, ckpt_dir=ckpt_dir, export_dir=export_dir, **settings)
             finally:
                 fsdp_param.init_dtype_attrs = init_dtype_attrs
+            counts["compiled_graphs"] = dynamo_counters["stats"]["unique_graphs"] - graphs
             out[name] = {
                 "steps": recorder.steps,
                 "losses": recorder.losses,

@@ -209,6 +209,23 @@ def test_layers_grouped_in_one_unit_train_bit_for_bit_with_fewer_all_gathers(mor
         assert torch.equal(a["grads"][name], grad), name
 
 
+def test_regional_compile_under_fsdp_trains_like_eager(more_runs):
+    """compile=True under sloth_fsdp (LoRA with offload): each layer compiled before sharding, its
+    graphs built, losses and gradients those of the eager run (float32, another kernel order)."""
+    for rank in (0, 1):
+        a, b = more_runs[rank]["compile"], more_runs[rank]["offload"]
+        assert a["report"] == b["report"][:3] + ["regional compile"] + b["report"][3:]
+        assert a["compiled_graphs"] > 0 and b["compiled_graphs"] == 0
+        torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=0)
+        assert a["offload"] == b["offload"]
+    a, b = more_runs[0]["compile"]["steps"][0], more_runs[0]["offload"]["steps"][0]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, grad in b["grads"].items():
+        torch.testing.assert_close(
+            a["grads"][name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name
+        )
+
+
 def test_layers_per_unit_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ShardingError, match="layers_per_unit must be a positive integer"):
