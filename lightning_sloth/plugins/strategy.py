@@ -12,7 +12,8 @@ transformers model inside the LightningModule and applies, in place (:func:`tran
 Placement, precision conversion and DDP wrapping are Lightning's own: ``SlothStrategy`` extends
 ``SingleDeviceStrategy`` and ``SlothDDPStrategy`` extends ``DDPStrategy``. ``SlothFSDPStrategy``
 extends ``ModelParallelStrategy`` (FSDP2) and shards the transformed model itself: ``fully_shard``
-per decoder layer, then the root (``lightning_sloth.plugins.sharding``).
+on the decoder layers (small consecutive layers share a unit), then the root
+(``lightning_sloth.plugins.sharding``).
 """
 
 from __future__ import annotations
@@ -307,8 +308,8 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
 
     At ``setup`` the model is transformed as by :class:`SlothStrategy` (kernels, packed attention,
     checkpointing and offload hooks, regional compile), then sharded over all processes:
-    ``fully_shard`` on every decoder layer (LoRA adapters share their layer's unit with the frozen
-    base weights), then on the transformers model as root. Mixed precision is FSDP2's
+    ``fully_shard`` on the decoder layers, one or a few per unit (LoRA adapters share their
+    layer's unit with the frozen base weights), then on the transformers model as root. Mixed precision is FSDP2's
     ``MixedPrecisionPolicy`` derived from the Trainer's precision plugin
     (:func:`~lightning_sloth.plugins.sharding.mixed_precision_policy`); ``clip_grad_norm_`` and
     AdamW (fused on CUDA) work on the sharded ``DTensor`` parameters. With
