@@ -54,10 +54,9 @@ def fsdp_options(system: str) -> dict | None:
         return None
     options: dict = {}
     rest = system.removeprefix("sloth_fsdp")
-    for suffix, option in (("_node", {"checkpoint_impl": "node"}),):
-        if rest.startswith(suffix):
-            options |= option
-            rest = rest.removeprefix(suffix)
+    if rest.startswith("_node"):
+        options["checkpoint_impl"] = "node"
+        rest = rest.removeprefix("_node")
     if rest.startswith("_unit"):
         digits = rest.removeprefix("_unit").split("_")[0]
         if not digits.isdigit():

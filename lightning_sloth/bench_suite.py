@@ -251,9 +251,8 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     if warmup_peak is not None:
         result["warmup_peak_allocated_gib"] = warmup_peak / 2**30
     result |= bench._memory_plan(getattr(model, "_sloth_report", None))
-    if (
-        device.type == "cuda" and replay is not None
-    ):  # after the peaks: the profiler's memory is not the step's
+    # After the peaks: the profiler's memory is not the step's.
+    if device.type == "cuda" and replay is not None:
         result |= gpu_busy_share(lambda: (forward_backward(*replay), optimizer.step(), optimizer.zero_grad()))
     return result
 

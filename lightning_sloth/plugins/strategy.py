@@ -309,8 +309,8 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
     At ``setup`` the model is transformed as by :class:`SlothStrategy` (kernels, packed attention,
     checkpointing and offload hooks, regional compile), then sharded over all processes:
     ``fully_shard`` on the decoder layers, one or a few per unit (LoRA adapters share their
-    layer's unit with the frozen base weights), then on the transformers model as root. Mixed precision is FSDP2's
-    ``MixedPrecisionPolicy`` derived from the Trainer's precision plugin
+    layer's unit with the frozen base weights), then on the transformers model as root. Mixed
+    precision is FSDP2's ``MixedPrecisionPolicy`` derived from the Trainer's precision plugin
     (:func:`~lightning_sloth.plugins.sharding.mixed_precision_policy`); ``clip_grad_norm_`` and
     AdamW (fused on CUDA) work on the sharded ``DTensor`` parameters. With
     ``SlothPrecision(quantize=...)`` the frozen base weights are stored in 4 bits before sharding,
@@ -367,11 +367,6 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         from lightning_sloth.plugins.sharding import ShardingError, check_layers_per_unit
 
         super().__init__(*args, **kwargs)
-        if self.sloth_settings["checkpoint_impl"] == "node" and layers_per_unit not in (None, 1):
-            raise ShardingError(
-                f"checkpoint_impl='node' takes one decoder layer per FSDP2 unit, got "
-                f"layers_per_unit={layers_per_unit!r}: use checkpoint_impl='torch' to group layers"
-            )
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
@@ -379,6 +374,11 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.layers_per_unit = check_layers_per_unit(layers_per_unit)
         if self.sloth_settings["checkpoint_impl"] == "node":
+            if self.layers_per_unit not in (None, 1):
+                raise ShardingError(
+                    f"checkpoint_impl='node' takes one decoder layer per FSDP2 unit, got "
+                    f"layers_per_unit={layers_per_unit!r}: use checkpoint_impl='torch' to group layers"
+                )
             self.layers_per_unit = 1
 
     def _configure_launcher(self) -> None:
