@@ -20,6 +20,61 @@ import time
 import traceback
 import warnings
 
+GAP_BINS_US = (10.0, 50.0, 200.0, 1000.0)
+
+
+def gpu_gaps(events, wall_us: float, top: int) -> dict:
+    """Where a profiled step's GPU waited: the step's time before its first kernel and after its last
+    one, and the idle time between kernels, binned by the gap's length, with the ``top`` longest gaps and their neighbours.
+
+    Many short gaps all through the step mean the host queues kernels about as fast as the GPU runs
+    them; a few long ones point at a place (a synchronization, a host-side stretch of Python).
+    """
+    import torch
+
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not kernels:
+        return {
+            "wall_ms": wall_us / 1e3,
+            "busy_ms": 0.0,
+            "lead_ms": 0.0,
+            "tail_ms": 0.0,
+            "idle_ms_by_gap": {},
+            "longest": [],
+        }
+    origin = kernels[0][0]
+    busy = 0.0
+    end, before = kernels[0][0], ""
+    gaps = []
+    for start, stop, name in kernels:
+        if start > end and before:
+            gaps.append((start - end, end - origin, before, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, before = stop, name
+    labels = [f"<{GAP_BINS_US[0]:g}us"] + [f"{a:g}-{b:g}us" for a, b in zip(GAP_BINS_US, GAP_BINS_US[1:])]
+    labels.append(f">{GAP_BINS_US[-1]:g}us")
+    by_bin = dict.fromkeys(labels, 0.0)
+    for length, *_ in gaps:
+        index = sum(length >= edge for edge in GAP_BINS_US)
+        by_bin[labels[index]] += length / 1e3
+    longest = sorted(gaps, reverse=True)[:top]
+    return {
+        "wall_ms": wall_us / 1e3,
+        "busy_ms": busy / 1e3,
+        "outside_ms": max(0.0, wall_us - (end - origin)) / 1e3,
+        "kernels": len(kernels),
+        "gaps": len(gaps),
+        "idle_ms_by_gap": by_bin,
+        "longest": [
+            {"gap_ms": g / 1e3, "at_ms": at / 1e3, "before": b, "after": a} for g, at, b, a in longest
+        ],
+    }
+
 
 def main(argv: list[str] | None = None) -> dict:
     import torch
@@ -40,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--gaps", type=int, default=25, help="longest GPU idle intervals to list")
     args = parser.parse_args(argv)
 
     workload = Workload(shape=args.shape, warmup_steps=3, timed_steps=2 * args.steps + 1)
@@ -82,6 +138,12 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.set_sync_debug_mode("warn")
         step()
         torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kernel_profiler:
+        begin = time.perf_counter()
+        step()
+        wall_us = (time.perf_counter() - begin) * 1e6
+    gaps = gpu_gaps(kernel_profiler.events(), wall_us, args.gaps)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
@@ -99,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         "synchronizations": len(syncs),
         "synchronization_sites": syncs,
         "profile": text.getvalue(),
+        "gpu_gaps": gaps,
     }
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
@@ -108,6 +171,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for site in syncs:
         print("  sync at:", site)
+    print(
+        f"profiled step {gaps['wall_ms']:.1f} ms, GPU busy {gaps['busy_ms']:.1f} ms; before the first kernel "
+        f"and after the last {gaps['outside_ms']:.2f} ms; idle between kernels by gap length: "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in gaps["idle_ms_by_gap"].items())
+    )
+    for gap in gaps["longest"]:
+        print(
+            f"  {gap['gap_ms']:7.3f} ms at {gap['at_ms']:7.2f} ms: {gap['before'][:60]} -> {gap['after'][:60]}"
+        )
     print("\n".join(text.getvalue().splitlines()[: args.top + 12]))
     return report
 

@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", default="llama_3_2_1b", choices=sorted(SHAPES))
     parser.add_argument("--tokens-per-step", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3, help="steps run; the last one is recorded")
+    parser.add_argument(
+        "--record-steps",
+        type=int,
+        default=1,
+        help="record this many last steps; the peak is over all of them",
+    )
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--snapshot", default=None, help="also write the raw allocator snapshot here")
     parser.add_argument("--out", required=True)
@@ -130,10 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
     for step, (micro_batches, *_rest, targets) in enumerate(batches(workload, samples, 0)):
         if step == args.steps:
             break
-        record = step == args.steps - 1
+        record = step >= args.steps - args.record_steps
         micro_batches, num_items = stage_batch(micro_batches, targets)
         torch.cuda.synchronize()
-        if record:
+        if step == args.steps - args.record_steps:
             report["before_step_bytes"] = torch.cuda.memory_allocated()
             report["parameter_bytes"] = param_bytes
             torch.cuda.reset_peak_memory_stats()

@@ -175,7 +175,9 @@ def test_gradients_bitwise_equal_with_lora():
     offloader = cpu_offloader()
     apply_checkpointing(model, offloader=offloader)
     assert_bitwise(step_grads(model, inputs), plain)
-    assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+    # The first layer's input is the frozen embedding's output: its node keeps the token ids instead.
+    ids_bytes = inputs["input_ids"].numel() * inputs["input_ids"].element_size()
+    assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 2) * INPUT_BYTES + ids_bytes
 
 
 def test_hooks_around_checkpoint_still_recompute():
@@ -306,8 +308,9 @@ def test_node_checkpoint_gives_torch_checkpoints_gradients(lora, with_offload, m
     assert calls == []
     if lora:  # the first layer's input needs no gradient; its adapters still get theirs
         assert any("layers.0." in n and "lora_A" in n and want[n].abs().sum() > 0 for n in want)
-    if with_offload:
-        assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 1) * INPUT_BYTES
+    if with_offload:  # with LoRA the first node keeps the token ids for the frozen embedding's output
+        first = inputs["input_ids"].numel() * inputs["input_ids"].element_size() if lora else INPUT_BYTES
+        assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 2) * INPUT_BYTES + first
 
 
 def test_node_checkpoint_recomputes_under_the_forwards_autocast():
@@ -406,6 +409,49 @@ def test_node_checkpoint_peak_is_torch_checkpoints(lora):
             model(**inputs).loss.backward()
         peaks[impl] = mode.peak
     assert peaks["node"] <= peaks["torch"], peaks
+
+
+def test_node_checkpoint_looks_the_frozen_embedding_up_again():
+    """With LoRA the first layer's input is the frozen embedding's output: its node keeps the token
+    ids and looks the embedding up again in its backward, so that hidden state is freed once the
+    forward returns (one ``[tokens, hidden]`` tensor less held into the backward), with the same
+    gradients bit for bit. A trained embedding's output is kept as before."""
+    inputs = batch()
+    want = step_grads(add_lora(tiny_llama()), inputs)
+    results = {}
+    for rebuild in (True, False):
+        model = add_lora(tiny_llama())
+        ckpt = apply_checkpointing(model)
+        assert ckpt.rebuild_embedding
+        ckpt.rebuild_embedding = rebuild
+        seen = []
+        model.get_input_embeddings().register_forward_hook(lambda m, i, out: seen.append(weakref.ref(out)))
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        gc.collect()
+        alive = seen[0]() is not None
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert_bitwise(grads, want)
+        assert len(seen) == 2 if rebuild else len(seen) == 1  # the backward's second look-up
+        model.zero_grad(set_to_none=True)
+        with _LiveBytes() as mode:
+            loss = model(**inputs).loss
+            held = mode.live  # what the forward leaves for the backward
+            loss.backward()
+        results[rebuild] = alive, held
+    assert results[True][0] is False and results[False][0] is True
+    assert results[True][1] == results[False][1] - INPUT_BYTES
+    full = tiny_llama()  # the embedding trains: its output needs a gradient and stays saved
+    apply_checkpointing(full)
+    seen = []
+    full.get_input_embeddings().register_forward_hook(lambda m, i, out: seen.append(weakref.ref(out)))
+    loss = full(**inputs).loss
+    gc.collect()
+    assert seen[0]() is not None
+    loss.backward()
+    assert len(seen) == 1
+    assert not apply_checkpointing(tiny_llama(), checkpoint_impl="torch").rebuild_embedding
 
 
 @pytest.mark.parametrize("impl", ["torch", "node"])

@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor, nn
@@ -50,8 +51,9 @@ class _LayerNode(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, run, anchor, *args):
+    def forward(ctx, run, anchor, rebuild, *args):
         ctx.run = run
+        ctx.rebuild = rebuild
         ctx.is_tensor = [isinstance(a, Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.needs = [isinstance(a, Tensor) and a.requires_grad for a in args]
@@ -61,13 +63,20 @@ class _LayerNode(torch.autograd.Function):
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
         cuda = next((a.device for a in args if isinstance(a, Tensor) and a.is_cuda), None)
         ctx.rng = (cuda, torch.get_rng_state(), torch.cuda.get_rng_state(cuda) if cuda is not None else None)
-        ctx.save_for_backward(*[a for a in args if isinstance(a, Tensor)])  # the offloader sees these
+        saved = [a for a in args if isinstance(a, Tensor)]
+        if rebuild is not None:  # the rebuilt input's source is kept in its place
+            saved[rebuild.position] = rebuild.source
+        ctx.save_for_backward(*saved)  # the offloader sees these
         with torch.no_grad():
             return run(*args)
 
     @staticmethod
     def backward(ctx, *grads):
-        saved = iter(ctx.saved_tensors)
+        saved = list(ctx.saved_tensors)
+        if ctx.rebuild is not None:
+            with torch.no_grad():
+                saved[ctx.rebuild.position] = ctx.rebuild.module(saved[ctx.rebuild.position])
+        saved = iter(saved)
         args = [
             next(saved).detach().requires_grad_(need) if is_tensor else other
             for is_tensor, other, need in zip(ctx.is_tensor, ctx.others, ctx.needs)
@@ -98,7 +107,57 @@ class _LayerNode(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
         input_grads = [a.grad if need else None for a, need in zip(args, ctx.needs)]
-        return (None, None, *input_grads)
+        return (None, None, None, *input_grads)
+
+
+class _Rebuild(NamedTuple):
+    """A node input recomputed in the backward: ``module(source)`` is saved tensor ``position``."""
+
+    position: int
+    module: nn.Module
+    source: Tensor
+
+
+class _EmbeddingWatch:
+    """Forward hook on the input embedding: remembers its last output (weakly) and its token ids.
+
+    A layer whose input is that very tensor, frozen (no gradient), can keep the ids instead and
+    look the embedding up again in its backward: one ``[tokens, hidden]`` tensor less, held through
+    the whole step, for one gather in the backward. Only a plain embedding (a plain weight and no
+    ``max_norm``, which writes into the weight) called with one tensor of ids qualifies.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.last: tuple[weakref.ref, Tensor] | None = None
+        self.enabled = True
+        self.handle = module.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, inputs: tuple, output: Any) -> None:
+        self.last = None
+        if (
+            torch.is_grad_enabled()
+            and len(inputs) == 1
+            and type(inputs[0]) is Tensor
+            and type(output) is Tensor
+            and not output.requires_grad
+        ):
+            self.last = (weakref.ref(output), inputs[0])
+
+    def rebuild_for(self, args: tuple) -> _Rebuild | None:
+        """How to rebuild the embedding's output among a layer's tensor ``args``, or None."""
+        if not self.enabled or self.last is None:
+            return None
+        output = self.last[0]()
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        position = next((i for i, t in enumerate(tensors) if t is output), None)
+        return None if position is None else _Rebuild(position, self.module, self.last[1])
+
+    @staticmethod
+    def plain(module: nn.Module | None) -> bool:
+        if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+            return False
+        return type(module.weight) in (Tensor, nn.Parameter) and not module._forward_pre_hooks
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -185,6 +244,31 @@ class CheckpointedLayers:
         options = compile_layers if isinstance(compile_layers, dict) else {}
         compiled = compile_layers is True or isinstance(compile_layers, dict)  # {}: default options
         self._compiled = torch.compile(_call_layer, **options) if compiled else None
+        self._embedding = self._watch_embedding() if checkpoint_impl == "node" else None
+        # Each layer's fused LoRA layers, for one grouped cast of their adapters per pass (eager only).
+        from lightning_sloth.patching._forwards import patched_op
+
+        self._adapters = [[m for m in layer.modules() if patched_op(m) == "lora"] for layer in self.layers]
+
+    def _watch_embedding(self) -> _EmbeddingWatch | None:
+        """The node checkpoint of the layer fed by a frozen plain input embedding keeps the token ids
+        and looks the embedding up again in its backward (see :class:`_EmbeddingWatch`)."""
+        try:
+            embedding = self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+        return _EmbeddingWatch(embedding) if _EmbeddingWatch.plain(embedding) else None
+
+    @property
+    def rebuild_embedding(self) -> bool:
+        """Whether the first layer's node keeps the token ids instead of the frozen embedding's
+        output (the node checkpoint with a plain input embedding; on by default)."""
+        return self._embedding is not None and self._embedding.enabled
+
+    @rebuild_embedding.setter
+    def rebuild_embedding(self, value: bool) -> None:
+        if self._embedding is not None:
+            self._embedding.enabled = bool(value)
 
     def _leanest_plan(self) -> list[LayerMode]:
         if self.offloader is None:
@@ -213,6 +297,8 @@ class CheckpointedLayers:
             self._measure(index, forward, args)
         if self._compiled is not None:
             forward = partial(self._compiled, forward)
+        elif self._adapters[index]:
+            forward = partial(_with_adapter_casts, forward, self._adapters[index])
         mode = self.plan[index] if torch.is_grad_enabled() else "keep"
         if mode == "keep":
             return forward(*args)
@@ -223,14 +309,20 @@ class CheckpointedLayers:
 
     def _checkpoint(self, forward, args: tuple) -> Any:
         if self.checkpoint_impl == "node" and self._node_fits(forward):
-            return _LayerNode.apply(forward, self._anchor, *args)
+            rebuild = self._embedding.rebuild_for(args) if self._embedding is not None else None
+            return _LayerNode.apply(forward, self._anchor, rebuild, *args)
         return checkpoint(forward, *args, use_reentrant=False)
 
     @staticmethod
     def _node_fits(forward) -> bool:
-        """Keyword tensors that need a gradient would get none through the node: torch's checkpoint."""
-        inner = forward.args[0] if isinstance(forward, partial) and forward.args else forward
-        keywords = [*_keywords(forward), *_keywords(inner)]
+        """Keyword tensors that need a gradient would get none through the node: torch's checkpoint.
+
+        ``forward`` may wrap the layer's forward (compiled entry, adapter casts) as a partial whose
+        first argument is the next one in; the keywords of each count."""
+        keywords = []
+        while isinstance(forward, partial):
+            keywords += _keywords(forward)
+            forward = forward.args[0] if forward.args else None
         return not any(t.requires_grad for t in _tensors(keywords))
 
     def _measure(self, index: int, forward, args: tuple) -> None:
@@ -323,6 +415,9 @@ class CheckpointedLayers:
 
     def remove(self) -> None:
         """Turn checkpointing off on every layer (the layers run plainly again)."""
+        if self._embedding is not None:
+            self._embedding.handle.remove()
+            self._embedding = None
         for layer in self.layers:
             layer = _unwrap(layer)
             layer.gradient_checkpointing = False
@@ -335,6 +430,13 @@ def _same(tensor: Tensor) -> Tensor:
 
 def _call_layer(forward, *args: Any) -> Any:
     return forward(*args)
+
+
+def _with_adapter_casts(forward, modules: list[nn.Module], *args: Any) -> Any:
+    from lightning_sloth.ops.lora import adapter_casts
+
+    with adapter_casts(modules):
+        return forward(*args)
 
 
 def _keywords(fn) -> list[Any]:

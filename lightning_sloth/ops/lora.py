@@ -22,7 +22,10 @@ else reads x afterwards: the gated MLP's ``down_proj``, whose input is the activ
 is the case the patched MLP forwards use it for.
 """
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 from peft.tuners.lora import Linear as LoraLinear
@@ -30,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_sloth.ops._registry import call, register_autograd, register_flops, sloth_op
 
-__all__ = ["fused_lora_forward", "lora_linear"]
+__all__ = ["adapter_casts", "fused_lora_forward", "lora_linear"]
 
 
 @sloth_op("lora_linear")
@@ -319,6 +322,94 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
         )
     scale = module.__dict__["scaling"][adapter] if "scaling" in module.__dict__ else module.scaling[adapter]
     # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
-    tensors = [t if t.dtype == dtype else t.to(dtype) for t in (x, weight, a, b)]
+    casts = getattr(_CASTS, "copies", None)
+    tensors = [t if t.dtype == dtype else _cast(t, dtype, casts) for t in (x, weight, a, b)]
     y, _ = call(_lora_linear_op, *tensors, float(scale), overwrite_input)
     return y
+
+
+# ----------------------------------------------------------------------- adapter casts, grouped
+_CASTS = threading.local()  # .copies: id(adapter weight) -> its copy in the compute dtype
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype, copies: dict[int, Tensor] | None) -> Tensor:
+    copy = copies.get(id(tensor)) if copies else None
+    return copy if copy is not None and copy.dtype == dtype else tensor.to(dtype)
+
+
+class _CastAdapters(torch.autograd.Function):
+    """Copies of several weights in one dtype from one ``_foreach_copy_`` (one launch, not one per
+    weight); the backward casts their gradients back the same way. The copies are views of one
+    buffer. Casts are exact roundings either way, so the values equal per-weight ``.to`` casts."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        ctx.set_materialize_grads(False)  # copies no layer used get no zero gradients
+        ctx.dtype = weights[0].dtype
+        return tuple(_foreach_cast(list(weights), dtype))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out: list[Tensor | None] = [None] * len(grads)
+        if present:
+            cast = _foreach_cast([grads[i] for i in present], ctx.dtype)
+            for i, g in zip(present, cast):
+                out[i] = g
+        return (None, *out)
+
+
+def _foreach_cast(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    views, start = [], 0
+    for t in tensors:
+        views.append(flat[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    torch._foreach_copy_(views, [t.contiguous() for t in tensors])
+    return views
+
+
+def _layer_adapters(modules: Sequence[nn.Module]) -> list[Tensor]:
+    """The A and B weights of the plain-case LoRA layers among ``modules`` (see :func:`_plain_parts`)."""
+    weights = []
+    for module in modules:
+        parts = _plain_parts(module)
+        if parts is not None:
+            weights += [parts[2]._parameters["weight"], parts[3]._parameters["weight"]]
+    return weights
+
+
+@contextlib.contextmanager
+def adapter_casts(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Within the block, the fused LoRA layers among ``modules`` take their A and B weights in the
+    compute dtype from one grouped cast made on entry, instead of two casts each per call.
+
+    Under autocast with adapters stored in another dtype (float32 adapters, bf16 autocast), a
+    decoder layer's seven LoRA layers cast fourteen small weights per forward, and the backward
+    casts fourteen gradients back: 28 launches and autograd nodes per layer and pass, where a
+    host-bound step pays for each. Here that is one ``_foreach_copy_`` each way (values unchanged).
+    Nothing is cached across blocks: each entry casts the weights as they are then.
+
+    Args:
+        modules: The LoRA layers a block runs (e.g. one decoder layer's ``lora.Linear`` s).
+    """
+    weights = _layer_adapters(modules)
+    device = weights[0].device if weights else None
+    if device is None or not torch.is_autocast_enabled(device.type):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device.type)
+    weights = [
+        w for w in weights if w.dtype != dtype and w.device == device and type(w) in (Tensor, nn.Parameter)
+    ]
+    if len(weights) < 2 or len({w.dtype for w in weights}) > 1:
+        yield
+        return
+    with torch.autocast(device.type, enabled=False):
+        copies = _CastAdapters.apply(dtype, *weights)
+    previous = getattr(_CASTS, "copies", None)
+    _CASTS.copies = {id(w): c for w, c in zip(weights, copies)}
+    try:
+        yield
+    finally:
+        _CASTS.copies = previous

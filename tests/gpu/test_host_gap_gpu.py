@@ -222,3 +222,78 @@ def test_transformed_step_matches_the_unfused_repeat_path_and_never_syncs(offloa
     assert grads.keys() == ref_grads.keys() and grads
     for name, grad in grads.items():
         assert _rel_err(grad, ref_grads[name]) < 3e-2, (name, _rel_err(grad, ref_grads[name]))
+
+
+@pytest.mark.parametrize("offload", ["off", "on"])
+def test_grouped_adapter_casts_and_embedding_look_up_bitwise_and_fewer_launches(offload):
+    """bf16 autocast, float32 adapters (the benchmark's setting): the grouped adapter casts and the
+    first layer's embedding look-up in its backward give the loss and gradients of per-call casts and
+    a kept embedding output bit for bit, with one multi-tensor cast kernel per layer and pass in
+    place of 42 single casts, the embedding output freed once the forward returns, and no sync."""
+    import copy
+    import gc
+    import weakref
+
+    import _models
+
+    from lightning_sloth.plugins.strategy import transform_model
+
+    master = _models.tiny_qwen3(
+        hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4
+    )
+    master = _float_adapters(_models.add_lora(_models_bf16_base(master), r=8)).to("cuda").train()
+    grouped, per_call = copy.deepcopy(master), copy.deepcopy(master)
+    ckpt = transform_model(grouped, kernels=True, offload=offload).checkpointing
+    old = transform_model(per_call, kernels=True, offload=offload).checkpointing
+    old._adapters = [[] for _ in old._adapters]
+    old.rebuild_embedding = False
+    assert ckpt.rebuild_embedding
+    batch = _models.packed_batch(_models.random_documents([300, 17, 600, 5, 101], seed=1), pad_to=1100).to(
+        "cuda"
+    )
+
+    def step(model):
+        seen = []
+        handle = model.get_input_embeddings().register_forward_hook(
+            lambda m, i, o: seen.append(weakref.ref(o))
+        )
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        gc.collect()
+        freed = seen[0]() is None
+        loss.backward()
+        handle.remove()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, freed
+
+    want_loss, want, kept_freed = step(per_call)
+    step(grouped)  # warm
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            loss, grads, freed = step(grouped)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert freed and not kept_freed
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want.keys() and len(grads) == 14 * len(ckpt.layers)
+    for name in want:
+        assert grads[name].dtype == torch.float32 and torch.equal(grads[name], want[name]), name
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    multi = [n for n in names if "multi_tensor_apply" in n]
+    assert len(multi) >= 3 * len(ckpt.layers)  # forward, recompute, gradients: one each per layer
+
+
+def _models_bf16_base(model):
+    """Base weights in bf16 (as the benchmark loads them); the adapters are float32."""
+    return model.to(torch.bfloat16)
+
+
+def _float_adapters(model):
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
+    return model

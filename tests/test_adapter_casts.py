@@ -1,0 +1,100 @@
+"""One grouped cast of a decoder layer's LoRA adapters per pass (``lightning_sloth.ops.lora.adapter_casts``).
+
+Under autocast, float32 adapters are cast to the compute dtype by every fused LoRA call and their
+gradients cast back by one autograd node each; inside a checkpointed layer that is one
+``_foreach_copy_`` per pass instead, with the same values bit for bit.
+"""
+
+import copy
+
+import _models  # tests/_models.py
+import pytest
+import torch
+from torch import nn
+
+from lightning_sloth.ops import lora as lora_ops
+from lightning_sloth.plugins.strategy import transform_model
+
+
+def test_grouped_cast_equals_per_weight_casts_forward_and_backward():
+    gen = torch.Generator().manual_seed(0)
+    weights = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((4, 16), (24, 4), (4, 24))]
+    upstream = [torch.randn(w.shape, generator=gen, dtype=torch.bfloat16) for w in weights]
+    copies = lora_ops._CastAdapters.apply(torch.bfloat16, *weights)
+    for w, c in zip(weights, copies):
+        assert c.dtype == torch.bfloat16 and torch.equal(c, w.to(torch.bfloat16))
+    torch.autograd.backward(list(copies[:2]), upstream[:2])  # the third gets no gradient
+    got = [w.grad for w in weights]
+    for w in weights:
+        w.grad = None
+    torch.autograd.backward([w.to(torch.bfloat16) for w in weights[:2]], upstream[:2])
+    for g, w in zip(got[:2], weights[:2]):
+        assert g.dtype == torch.float32 and torch.equal(g, w.grad)
+    assert got[2] is None
+
+
+def _lora_qwen3():
+    return _models.add_lora(_models.tiny_qwen3(), r=4).train()
+
+
+@pytest.mark.parametrize("impl", ["node", "torch"])
+def test_checkpointed_layers_cast_their_adapters_once_per_pass(impl, monkeypatch):
+    """A packed LoRA step under bf16 autocast through transform_model(kernels=True): each layer casts
+    its fourteen float32 adapters in one grouped cast in the forward, one in the recompute and one
+    for their gradients in the backward, no fused LoRA call casts an adapter itself, and the loss
+    and gradients equal those of per-call casts bit for bit."""
+    master = _lora_qwen3()
+    grouped, per_call = copy.deepcopy(master), copy.deepcopy(master)
+    report = transform_model(grouped, kernels=True, checkpoint_impl=impl)
+    layers = len(report.checkpointing.layers)
+    assert all(len(modules) == 7 for modules in report.checkpointing._adapters)
+    per_call_ckpt = transform_model(per_call, kernels=True, checkpoint_impl=impl).checkpointing
+    per_call_ckpt._adapters = [[] for _ in per_call_ckpt._adapters]  # the reference: per-call casts
+    batch = _models.packed_batch(_models.random_documents([37, 5, 60, 18], seed=3))
+
+    groups, own_casts = [], []
+    foreach_cast, cast = lora_ops._foreach_cast, lora_ops._cast
+
+    def counted_group(tensors, dtype):
+        groups.append(len(tensors))
+        return foreach_cast(tensors, dtype)
+
+    def counted_cast(tensor, dtype, copies):
+        if isinstance(tensor, nn.Parameter) and tensor.requires_grad and id(tensor) not in (copies or {}):
+            own_casts.append(tuple(tensor.shape))
+        return cast(tensor, dtype, copies)
+
+    monkeypatch.setattr(lora_ops, "_foreach_cast", counted_group)
+    monkeypatch.setattr(lora_ops, "_cast", counted_cast)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step(grouped)
+    assert groups == [14] * (3 * layers) and own_casts == []
+    groups.clear()
+    want_loss, want = step(per_call)
+    assert groups == [] and len(own_casts) == 2 * 7 * 2 * layers  # A and B, 7 layers, forward + recompute
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want.keys() and len(grads) == 14 * layers
+    for name in want:
+        assert grads[name].dtype == torch.float32
+        assert torch.equal(grads[name], want[name]), name
+
+
+def test_no_grouping_outside_autocast_or_for_adapters_in_the_compute_dtype():
+    model = _lora_qwen3()
+    modules = transform_model(model, kernels=True).checkpointing._adapters[0]
+    with lora_ops.adapter_casts(modules):
+        assert getattr(lora_ops._CASTS, "copies", None) is None  # no autocast: nothing to cast
+    with torch.autocast("cpu", dtype=torch.bfloat16), lora_ops.adapter_casts(modules):
+        copies = lora_ops._CASTS.copies
+        assert len(copies) == 14 and all(c.dtype == torch.bfloat16 for c in copies.values())
+    assert getattr(lora_ops._CASTS, "copies", None) is None
+    model.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), lora_ops.adapter_casts(modules):
+        assert getattr(lora_ops._CASTS, "copies", None) is None  # already bf16
