@@ -30,8 +30,12 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      two passes (``kernels={"add_rms_norm": False}``).
     sloth_kernels_torch_checkpoint   the default, but torch's hook-based checkpoint per layer
                                      (``checkpoint_impl="torch"``) instead of one autograd node.
-    sloth_kernels_before_host_gap    all three of the above: the default before the host-gap
-                                     changes.
+    sloth_kernels_before_host_gap    all three of the above and adapters cast per call: the
+                                     default before the host-gap changes.
+    sloth_kernels_per_call_casts     the default, but every fused LoRA call casts its adapters
+                                     itself (``group_adapter_casts=False``).
+    sloth_kernels_kept_embedding     the default, but the first layer's node keeps the embedding's
+                                     output (``rebuild_embedding=False``).
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -191,6 +195,18 @@ def _sloth_offload_single(workload: Workload):
     return model
 
 
+def _checkpointing_set(setup: Callable, **attributes) -> Callable:
+    """``setup``, then these attributes set on the model's ``CheckpointedLayers`` controller."""
+
+    def wrapped(workload: Workload):
+        model = setup(workload)
+        for name, value in attributes.items():
+            setattr(model._sloth_report.checkpointing, name, value)
+        return model
+
+    return wrapped
+
+
 def _kv_repeated(setup: Callable) -> Callable:
     """``setup`` with GQA's K/V heads copied before the varlen kernel (the switched-off default)."""
 
@@ -312,7 +328,22 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     ),
     "sloth_kernels_before_host_gap": SuiteSystem(
         "lightning_sloth, K/V copy + unfused add + torch's checkpoint (before the host-gap changes)",
-        _kv_repeated(bench._sloth(kernels={"add_rms_norm": False}, checkpoint_impl="torch")),
+        _kv_repeated(
+            _checkpointing_set(
+                bench._sloth(kernels={"add_rms_norm": False}, checkpoint_impl="torch"),
+                group_adapter_casts=False,
+            )
+        ),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_per_call_casts": SuiteSystem(
+        "lightning_sloth, adapters cast by every LoRA call",
+        _checkpointing_set(bench._sloth(kernels=True), group_adapter_casts=False),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_kept_embedding": SuiteSystem(
+        "lightning_sloth, the first layer keeps the embedding output",
+        _checkpointing_set(bench._sloth(kernels=True), rebuild_embedding=False),
         bench._packed_batches,
     ),
 }

@@ -30,19 +30,20 @@ def _reference(x, weight, lora_a, lora_b, scale):
     return xd @ weight.double().t() + scale * (xd @ a.t()) @ b.t(), leaves
 
 
+@pytest.mark.parametrize("scale", [SCALE, 2.0, 1.0, 0.25])
 @pytest.mark.parametrize("shape", [(N, IN), (3, 7, IN)])
-def test_forward_backward_match_float64(shape):
+def test_forward_backward_match_float64(shape, scale):
     weight, lora_a, lora_b = _weights()
     x = torch.randn(shape).requires_grad_()
-    y = lora_linear(x, weight, lora_a, lora_b, SCALE)
+    y = lora_linear(x, weight, lora_a, lora_b, scale)
     grad_y = torch.randn(y.shape)
     y.backward(grad_y)
 
-    ref, (xd, a, b) = _reference(x, weight, lora_a, lora_b, SCALE)
+    ref, (xd, a, b) = _reference(x, weight, lora_a, lora_b, scale)
     ref.backward(grad_y.double())
     assert y.shape == (*shape[:-1], OUT) and y.dtype == torch.float32
     for got, expected in [(y, ref), (x.grad, xd.grad), (lora_a.grad, a.grad), (lora_b.grad, b.grad)]:
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * max(1.0, scale))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
@@ -70,12 +71,13 @@ def test_overwrite_input_gives_the_same_gradients_in_the_inputs_memory(layout):
     assert seen == [x.data_ptr()]  # x's gradient was written where x was
 
 
+@pytest.mark.parametrize("scale", [SCALE, 2.0])
 @pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)])
-def test_inplace_backward_opcheck(needs):
+def test_inplace_backward_opcheck(needs, scale):
     weight, lora_a, lora_b = _weights()
     x = torch.randn(2, 5, IN)
     xa = x.reshape(-1, IN) @ lora_a.detach().t()
-    args = (torch.randn(2, 5, OUT), x, xa, weight, lora_a.detach(), lora_b.detach(), SCALE, *needs)
+    args = (torch.randn(2, 5, OUT), x, xa, weight, lora_a.detach(), lora_b.detach(), scale, *needs)
     torch.library.opcheck(torch.ops.sloth.lora_linear_backward_.default, args)
 
 
@@ -105,19 +107,47 @@ def test_bad_inputs_raise_clear_errors():
         lora_linear(x, weight.requires_grad_(), lora_a, lora_b, SCALE)
 
 
+@pytest.mark.parametrize("scale", [SCALE, 2.0])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, True), (True, False, False)])
-def test_opcheck(needs):
+def test_opcheck(needs, scale):
     weight, lora_a, lora_b = _weights()
     x = torch.randn(2, 5, IN, requires_grad=needs[0])
     lora_a.requires_grad_(needs[1])
     lora_b.requires_grad_(needs[2])
-    torch.library.opcheck(torch.ops.sloth.lora_linear.default, (x, weight, lora_a, lora_b, SCALE))
+    torch.library.opcheck(torch.ops.sloth.lora_linear.default, (x, weight, lora_a, lora_b, scale))
     grad_y = torch.randn(2, 5, OUT)
     xa = x.detach().reshape(-1, IN) @ lora_a.detach().t()
     torch.library.opcheck(
         torch.ops.sloth.lora_linear_backward.default,
-        (grad_y, x.detach(), xa, weight, lora_a.detach(), lora_b.detach(), SCALE, *needs),
+        (grad_y, x.detach(), xa, weight, lora_a.detach(), lora_b.detach(), scale, *needs),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [2.0, 0.5, 1.0, 8.0])
+@pytest.mark.parametrize("overwrite_input", [False, True])
+def test_power_of_two_scale_as_alpha_gives_the_scaled_operands_values(dtype, scale, overwrite_input):
+    """A power-of-two scale is applied as the backward products' alpha (no [N, r] multiplies); the
+    gradients equal, bit for bit, those of scaling the small operands first (the general path)."""
+    from lightning_sloth.ops import lora as lora_ops
+
+    weight, lora_a, lora_b = (t.detach().to(dtype) for t in _weights())
+    x, xa = torch.randn(N, IN, dtype=dtype), None
+    xa = x @ lora_a.t()
+    dy = torch.randn(N, OUT, dtype=dtype)
+    g = (dy @ lora_b) * scale
+    want = ((dy @ weight).addmm_(g, lora_a), g.t() @ x, dy.t() @ (xa * scale))
+    assert lora_ops._exact_alpha(scale) and not lora_ops._exact_alpha(SCALE)
+    if overwrite_input:
+        target = x.clone()
+        da, db = lora_ops._lora_linear_backward_inplace_op(
+            dy, target, xa, weight, lora_a, lora_b, scale, True, True
+        )
+        got = (target, da, db)
+    else:
+        got = lora_ops._lora_linear_backward_op(dy, x, xa, weight, lora_a, lora_b, scale, True, True, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_flop_count():

@@ -425,7 +425,9 @@ def test_node_checkpoint_looks_the_frozen_embedding_up_again():
         assert ckpt.rebuild_embedding
         ckpt.rebuild_embedding = rebuild
         seen = []
-        model.get_input_embeddings().register_forward_hook(lambda m, i, out: seen.append(weakref.ref(out)))
+        model.get_input_embeddings().register_forward_hook(
+            lambda m, i, out, seen=seen: seen.append(weakref.ref(out))
+        )
         model.zero_grad(set_to_none=True)
         loss = model(**inputs).loss
         gc.collect()

@@ -249,6 +249,9 @@ class CheckpointedLayers:
         from lightning_sloth.patching._forwards import patched_op
 
         self._adapters = [[m for m in layer.modules() if patched_op(m) == "lora"] for layer in self.layers]
+        self.group_adapter_casts = True
+        """Each layer's fused LoRA layers take their adapters from one grouped cast per pass
+        (:func:`lightning_sloth.ops.lora.adapter_casts`); ``False``: two casts per call, as before."""
 
     def _watch_embedding(self) -> _EmbeddingWatch | None:
         """The node checkpoint of the layer fed by a frozen plain input embedding keeps the token ids
@@ -297,7 +300,7 @@ class CheckpointedLayers:
             self._measure(index, forward, args)
         if self._compiled is not None:
             forward = partial(self._compiled, forward)
-        elif self._adapters[index]:
+        elif self.group_adapter_casts and self._adapters[index]:
             forward = partial(_with_adapter_casts, forward, self._adapters[index])
         mode = self.plan[index] if torch.is_grad_enabled() else "keep"
         if mode == "keep":

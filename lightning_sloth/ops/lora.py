@@ -69,11 +69,32 @@ def _lora_linear_backward_op(
     """Returns ``(dx, dA, dB)``; gradients not asked for are empty tensors."""
     dy = grad_y.reshape(-1, grad_y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
+    if _exact_alpha(scale):  # the scale as the products' alpha: no [N, r] multiplies, same values
+        g = dy @ lora_b if (grad_x or grad_a) else None
+        dx = (dy @ weight).addmm_(g, lora_a, alpha=scale).view(x.shape) if grad_x else x.new_empty(0)
+        da = _scaled_mm(g.t(), rows, scale, lora_a) if grad_a else x.new_empty(0)
+        db = _scaled_mm(dy.t(), xa, scale, lora_b) if grad_b else x.new_empty(0)
+        return dx, da, db
     g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
     dx = (dy @ weight).addmm_(g, lora_a).view(x.shape) if grad_x else x.new_empty(0)
     da = g.t() @ rows if grad_a else x.new_empty(0)
     db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
     return dx, da, db
+
+
+def _exact_alpha(scale: float) -> bool:
+    """Whether multiplying by ``scale`` is exact in floating point (a power of two, 1 included), so
+    that applying it as a product's alpha gives the values of scaling an operand first."""
+    mantissa, _ = math.frexp(scale)
+    return mantissa == 0.5
+
+
+def _scaled_mm(a: Tensor, b: Tensor, scale: float, like: Tensor) -> Tensor:
+    """``scale * (a @ b)`` as one product (``like``: any tensor of the result's shape; with
+    ``beta=0`` its values are ignored)."""
+    if scale == 1.0:
+        return a @ b
+    return torch.addmm(like, a, b, beta=0, alpha=scale)
 
 
 @sloth_op("lora_linear_backward_", mutates_args=("x",))
@@ -91,13 +112,18 @@ def _lora_linear_backward_inplace_op(
     """Writes ``dx`` into x (after ``dA`` has read it); returns ``(dA, dB)``, empty where not asked for."""
     dy = grad_y.reshape(-1, grad_y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
-    g = (dy @ lora_b) * scale
-    da = g.t() @ rows if grad_a else x.new_empty(0)
-    db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    if _exact_alpha(scale):  # as in _lora_linear_backward_op
+        g, alpha = dy @ lora_b, scale
+        da = _scaled_mm(g.t(), rows, scale, lora_a) if grad_a else x.new_empty(0)
+        db = _scaled_mm(dy.t(), xa, scale, lora_b) if grad_b else x.new_empty(0)
+    else:
+        g, alpha = (dy @ lora_b) * scale, 1.0
+        da = g.t() @ rows if grad_a else x.new_empty(0)
+        db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
     if x.is_contiguous():  # rows is then a view of x
-        torch.mm(dy, weight, out=rows).addmm_(g, lora_a)
+        torch.mm(dy, weight, out=rows).addmm_(g, lora_a, alpha=alpha)
     else:  # x cannot be viewed as contiguous rows: compute apart, then copy in
-        x.copy_((dy @ weight).addmm_(g, lora_a).view(x.shape))
+        x.copy_((dy @ weight).addmm_(g, lora_a, alpha=alpha).view(x.shape))
     return da, db
 
 
@@ -360,12 +386,10 @@ class _CastAdapters(torch.autograd.Function):
 
 
 def _foreach_cast(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-    views, start = [], 0
-    for t in tensors:
-        views.append(flat[start : start + t.numel()].view(t.shape))
-        start += t.numel()
-    torch._foreach_copy_(views, [t.contiguous() for t in tensors])
+    sizes = [t.numel() for t in tensors]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=tensors[0].device)
+    views = [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
+    torch._foreach_copy_(views, tensors)  # other strides than the views': its per-tensor path
     return views
 
 

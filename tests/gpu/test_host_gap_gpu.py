@@ -227,8 +227,8 @@ def test_transformed_step_matches_the_unfused_repeat_path_and_never_syncs(offloa
 @pytest.mark.parametrize("offload", ["off", "on"])
 def test_grouped_adapter_casts_and_embedding_look_up_bitwise_and_fewer_launches(offload):
     """bf16 autocast, float32 adapters (the benchmark's setting): the grouped adapter casts and the
-    first layer's embedding look-up in its backward give the loss and gradients of per-call casts and
-    a kept embedding output bit for bit, with one multi-tensor cast kernel per layer and pass in
+    first layer's embedding look-up in its backward give the loss of per-call casts and a kept
+    embedding output bit for bit and its gradients up to the flash backward's run-to-run spread, with one multi-tensor cast kernel per layer and pass in
     place of 42 single casts, the embedding output freed once the forward returns, and no sync."""
     import copy
     import gc
@@ -245,7 +245,7 @@ def test_grouped_adapter_casts_and_embedding_look_up_bitwise_and_fewer_launches(
     grouped, per_call = copy.deepcopy(master), copy.deepcopy(master)
     ckpt = transform_model(grouped, kernels=True, offload=offload).checkpointing
     old = transform_model(per_call, kernels=True, offload=offload).checkpointing
-    old._adapters = [[] for _ in old._adapters]
+    old.group_adapter_casts = False
     old.rebuild_embedding = False
     assert ckpt.rebuild_embedding
     batch = _models.packed_batch(_models.random_documents([300, 17, 600, 5, 101], seed=1), pad_to=1100).to(
@@ -278,10 +278,15 @@ def test_grouped_adapter_casts_and_embedding_look_up_bitwise_and_fewer_launches(
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert freed and not kept_freed
-    assert torch.equal(loss, want_loss)
+    assert torch.equal(loss, want_loss)  # the forward is deterministic
     assert grads.keys() == want.keys() and len(grads) == 14 * len(ckpt.layers)
+    # The flash backward sums dq with atomics (torch's non-deterministic default): two runs of one
+    # path differ in the last bits already, so the gradients are compared to that run-to-run spread.
+    again = step(per_call)[1]
     for name in want:
-        assert grads[name].dtype == torch.float32 and torch.equal(grads[name], want[name]), name
+        spread = _rel_err(again[name], want[name])
+        assert grads[name].dtype == torch.float32, name
+        assert _rel_err(grads[name], want[name]) <= max(4 * spread, 1e-3), (name, spread)
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     multi = [n for n in names if "multi_tensor_apply" in n]
     assert len(multi) >= 3 * len(ckpt.layers)  # forward, recompute, gradients: one each per layer
@@ -297,3 +302,36 @@ def _float_adapters(model):
         if "lora_" in name:
             param.data = param.data.float()
     return model
+
+
+@pytest.mark.parametrize("scale", [2.0, 0.5, 4.0])
+def test_power_of_two_lora_scale_as_cublas_alpha_is_bitwise(scale):
+    """On cuBLAS too: a power-of-two LoRA scale applied as the backward products' alpha gives the
+    gradients of scaling the small operands first, bit for bit (bf16, a bench-sized layer)."""
+    from lightning_sloth.ops import lora as lora_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    n, fan_in, fan_out, r = 4096, 1024, 3072, 16
+    x, weight, lora_a, lora_b, dy = (
+        randn(n, fan_in),
+        randn(fan_out, fan_in),
+        randn(r, fan_in),
+        randn(fan_out, r),
+        randn(n, fan_out),
+    )
+    xa = x @ lora_a.t()
+    g = (dy @ lora_b) * scale
+    want = ((dy @ weight).addmm_(g, lora_a), g.t() @ x, dy.t() @ (xa * scale))
+    got = lora_ops._lora_linear_backward_op(dy, x, xa, weight, lora_a, lora_b, scale, True, True, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    target = x.clone()
+    da, db = lora_ops._lora_linear_backward_inplace_op(
+        dy, target, xa, weight, lora_a, lora_b, scale, True, True
+    )
+    for a, b in zip((target, da, db), want):
+        assert torch.equal(a, b)
