@@ -254,6 +254,11 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     # After the peaks: the profiler's memory is not the step's.
     if device.type == "cuda" and replay is not None:
         result |= gpu_busy_share(lambda: (forward_backward(*replay), optimizer.step(), optimizer.zero_grad()))
+        # The profiler's own host work per launch stretches a host-bound step; the same batch's
+        # unprofiled wall time (the first timed step) against the GPU time the profile measured
+        # estimates the share of the real step.
+        result["replayed_step_ms"] = times[0] * 1e3
+        result["gpu_busy_share_unprofiled"] = result["gpu_busy_ms"] / result["replayed_step_ms"]
     return result
 
 
@@ -261,8 +266,9 @@ def gpu_busy_share(step: Callable[[], object]) -> dict:
     """Run one more training step under the CUDA profiler (the first timed step's batch again, after
     the timed steps) and report the share of its wall time in which the GPU ran a kernel or copy.
 
-    The profiler adds host work of its own, so the share is a lower bound; the rest of the step the
-    GPU waited for the host to queue work.
+    The profiler adds host work of its own to every launch, so the share is a lower bound; the rest
+    of the step the GPU waited for the host to queue work. The caller also relates the GPU time to
+    the same batch's unprofiled step (``gpu_busy_share_unprofiled``).
     """
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -585,6 +591,11 @@ def _line(r: dict) -> str:
         f"({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}), "
         f"peak {'-' if peak is None else f'{peak:.2f} GiB'}, loss {r['first_loss']:.3f}->{r['last_loss']:.3f}"
         + (f", GPU busy {r['gpu_busy_share']:.0%}" if "gpu_busy_share" in r else "")
+        + (
+            f" ({r['gpu_busy_share_unprofiled']:.0%} of the unprofiled step)"
+            if "gpu_busy_share_unprofiled" in r
+            else ""
+        )
     )
 
 
