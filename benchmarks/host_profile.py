@@ -41,10 +41,10 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
         return {
             "wall_ms": wall_us / 1e3,
             "busy_ms": 0.0,
-            "lead_ms": 0.0,
-            "tail_ms": 0.0,
+            "outside_ms": 0.0,
             "idle_ms_by_gap": {},
             "longest": [],
+            "kernels_by_time": [],
         }
     origin = kernels[0][0]
     busy = 0.0
@@ -63,6 +63,12 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
         index = sum(length >= edge for edge in GAP_BINS_US)
         by_bin[labels[index]] += length / 1e3
     longest = sorted(gaps, reverse=True)[:top]
+    by_name: dict[str, list[float]] = {}
+    for start, stop, name in kernels:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += (stop - start) / 1e3
+        entry[1] += 1
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     return {
         "wall_ms": wall_us / 1e3,
         "busy_ms": busy / 1e3,
@@ -73,6 +79,7 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
         "longest": [
             {"gap_ms": g / 1e3, "at_ms": at / 1e3, "before": b, "after": a} for g, at, b, a in longest
         ],
+        "kernels_by_time": [{"name": n, "ms": ms, "count": c} for n, (ms, c) in heaviest],
     }
 
 
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"and after the last {gaps['outside_ms']:.2f} ms; idle between kernels by gap length: "
         + ", ".join(f"{k} {v:.2f} ms" for k, v in gaps["idle_ms_by_gap"].items())
     )
+    for row in gaps.get("kernels_by_time", []):
+        print(f"  {row['ms']:8.2f} ms {row['count']:5d}x  {row['name'][:110]}")
     for gap in gaps["longest"]:
         print(
             f"  {gap['gap_ms']:7.3f} ms at {gap['at_ms']:7.2f} ms: {gap['before'][:60]} -> {gap['after'][:60]}"
