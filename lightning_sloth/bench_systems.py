@@ -24,6 +24,8 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      and the longest document from ``position_ids`` in every layer
                                      (a device-to-host sync each), as transformers does.
     sloth_kernels_offload_single     kernels + offload, single-buffered (no prefetch).
+    sloth_kernels_planned            kernels + the per-layer memory plan for the device's free
+                                     memory (``offload="auto", memory_budget="auto"``).
     sloth_kernels_kv_repeat          the default, but K/V heads copied to one per query head
                                      before the varlen kernel (``set_varlen_kv_repeat(True)``).
     sloth_kernels_without_add_rms_norm  the default, but the residual add and the next norm as
@@ -313,6 +315,7 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         _position_ids_only_batches,
     ),
     "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),
+    "sloth_kernels_planned": SuiteSystem("lightning_sloth + the memory plan for the whole card"),
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
     ),
