@@ -378,8 +378,13 @@ def _resolve_backend(query: Tensor, key: Tensor, value: Tensor) -> str:
 
 
 def _to_varlen_layout(x: Tensor, repeats: int) -> Tensor:
-    """``[1, H, T, D]`` -> ``[T, H * repeats, D]`` (kv head ``h`` serves query heads ``h*repeats ..``)."""
-    x = x[0].transpose(0, 1)
+    """``[1, H, T, D]`` -> ``[T, H * repeats, D]`` (kv head ``h`` serves query heads ``h*repeats ..``).
+
+    A view where the projections' ``[1, T, H, D]`` memory allows (``squeeze``, not ``x[0]``: the
+    backward of an index builds a zero tensor of x's shape, H-major, and copies the gradient into
+    it, so every later gradient on the way back to the projection would need a copy of its own).
+    """
+    x = x.squeeze(0).transpose(0, 1)
     if repeats > 1:
         seq_len, heads, head_dim = x.shape
         x = (

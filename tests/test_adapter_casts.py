@@ -98,3 +98,33 @@ def test_no_grouping_outside_autocast_or_for_adapters_in_the_compute_dtype():
     model.to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16), lora_ops.adapter_casts(modules):
         assert getattr(lora_ops._CASTS, "copies", None) is None  # already bf16
+
+
+def _zeros_in_backward_nodes(model, batch) -> dict[str, int]:
+    """``aten::zeros`` calls inside each autograd node's evaluation during one step's backward."""
+    import collections
+
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch.model_inputs(), labels=batch.labels).loss
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    events = prof.events()
+    nodes = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    counts: collections.Counter = collections.Counter()
+    for e in events:
+        if e.name == "aten::zeros":
+            inside = [n for n in nodes if n.time_range.start <= e.time_range.start <= n.time_range.end]
+            name = min(inside, key=lambda n: n.time_range.end - n.time_range.start).name if inside else "?"
+            counts[name.split(": ")[-1]] += 1
+    return dict(counts)
+
+
+def test_eager_ops_make_no_zero_gradients_for_their_side_outputs():
+    """The eager path hands None, not a fresh zero tensor, to a backward for outputs nothing
+    differentiates (the LoRA op's saved product, the norms' rstd): no ``aten::zeros`` in those
+    backward nodes (they were 7 LoRA + 3 norm + 1 fused-norm launches per Qwen3 layer)."""
+    model = _lora_qwen3()
+    transform_model(model, kernels=True, gradient_checkpointing=False)
+    batch = _models.packed_batch(_models.random_documents([37, 5, 60, 18], seed=3))
+    zeros = _zeros_in_backward_nodes(model, batch)
+    assert not any("lora_linear" in n or "rms_norm" in n for n in zeros), zeros

@@ -119,9 +119,24 @@ def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callab
     def forward(ctx, *args):
         output = body(*args)
         setup_context(ctx, args, output)
+        # Gradients of outputs nothing used stay None instead of zero tensors made (and filled) for
+        # every call: None for the non-differentiable outputs (saved products, rstd), which the
+        # backwards ignore; zeros, made here, only for a differentiable output left unused.
+        ctx.set_materialize_grads(False)
+        skip = {id(t) for t in getattr(ctx, "non_differentiable", None) or ()}
+        outputs = output if isinstance(output, tuple) else (output,)
+        ctx.sloth_outputs = [
+            (o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) and id(o) not in skip else None
+            for o in outputs
+        ]
         return output
 
     def eager_backward(ctx, *grads):
+        if any(g is None for g in grads):
+            grads = tuple(
+                torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None and meta is not None else g
+                for g, meta in zip(grads, ctx.sloth_outputs)
+            )
         return backward(ctx, *grads)
 
     # Named after the op, so its autograd node reads e.g. ``rms_norm_eagerBackward``.

@@ -123,6 +123,7 @@ def _(grad_y, x, weight, rstd, offset):
 
 def _setup_context(ctx, inputs, output):
     x, weight, _, offset = inputs
+    ctx.mark_non_differentiable(output[1])  # rstd: saved for the backward, not a result
     ctx.save_for_backward(x, weight, output[1])
     ctx.offset = offset
 
@@ -216,6 +217,7 @@ def _(grad_y, grad_sum, summed, weight, rstd, offset):
 def _add_setup_context(ctx, inputs, output):
     _, _, weight, _, offset = inputs
     _, summed, rstd = output
+    ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(summed, weight, rstd)
     ctx.offset = offset
 

@@ -335,3 +335,53 @@ def test_power_of_two_lora_scale_as_cublas_alpha_is_bitwise(scale):
     )
     for a, b in zip((target, da, db), want):
         assert torch.equal(a, b)
+
+
+def test_packed_qwen3_backward_copies_no_activation():
+    """The varlen layout is a view (``squeeze``, not ``x[0]``), so no backward builds a zero
+    tensor for an index and copies into it, and the q/k/v gradients reach the norms and projections
+    in their memory order: no ``SelectBackward0`` and no activation-sized clone or copy in the
+    backward of a packed Qwen3 LoRA step (there were 3 of each per layer); nor zero gradients for
+    the ops' side outputs."""
+    import _models
+
+    from lightning_sloth.plugins.strategy import transform_model
+
+    model = _models.tiny_qwen3(
+        hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4
+    )
+    model = _float_adapters(_models.add_lora(_models_bf16_base(model), r=8)).to("cuda").train()
+    transform_model(model, kernels=True)
+    batch = _models.packed_batch(_models.random_documents([300, 17, 600, 5, 101], seed=1), pad_to=1100).to(
+        "cuda"
+    )
+    big = 1100 * 256  # an activation: tokens x hidden
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    events = prof.events()
+    nodes = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    assert nodes and not [n for n in nodes if "SelectBackward" in n.name]
+
+    def inside_backward(e):
+        return any(n.time_range.start <= e.time_range.start <= n.time_range.end for n in nodes)
+
+    copies = [
+        e
+        for e in events
+        if e.name in ("aten::clone", "aten::copy_")
+        and e.input_shapes
+        and e.input_shapes[0]
+        and math.prod(e.input_shapes[0]) >= big
+        and inside_backward(e)
+    ]
+    assert copies == [], [(e.name, e.input_shapes) for e in copies]
+    zeros = [e for e in events if e.name == "aten::zeros" and inside_backward(e) and e.input_shapes]
+    assert len(zeros) <= 4, len(zeros)  # the loss's library-path backward makes its few
