@@ -341,8 +341,8 @@ def test_packed_qwen3_backward_copies_no_activation():
     """The varlen layout is a view (``squeeze``, not ``x[0]``), so no backward builds a zero
     tensor for an index and copies into it, and the q/k/v gradients reach the norms and projections
     in their memory order: no ``SelectBackward0`` and no activation-sized clone or copy in the
-    backward of a packed Qwen3 LoRA step (there were 3 of each per layer); nor zero gradients for
-    the ops' side outputs."""
+    backward of a packed Qwen3 LoRA step's layers (there were 3 of each per layer; the loss's two
+    casts remain); nor zero gradients for the ops' side outputs."""
     import _models
 
     from lightning_sloth.plugins.strategy import transform_model
@@ -370,11 +370,15 @@ def test_packed_qwen3_backward_copies_no_activation():
     nodes = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
     assert nodes and not [n for n in nodes if "SelectBackward" in n.name]
 
+    def node_of(e):
+        inside = [n for n in nodes if n.time_range.start <= e.time_range.start <= n.time_range.end]
+        return min(inside, key=lambda n: n.time_range.end - n.time_range.start).name if inside else None
+
     def inside_backward(e):
-        return any(n.time_range.start <= e.time_range.start <= n.time_range.end for n in nodes)
+        return node_of(e) is not None
 
     copies = [
-        e
+        (e.name, node_of(e))
         for e in events
         if e.name in ("aten::clone", "aten::copy_")
         and e.input_shapes
@@ -382,6 +386,8 @@ def test_packed_qwen3_backward_copies_no_activation():
         and math.prod(e.input_shapes[0]) >= big
         and inside_backward(e)
     ]
-    assert copies == [], [(e.name, e.input_shapes) for e in copies]
-    zeros = [e for e in events if e.name == "aten::zeros" and inside_backward(e) and e.input_shapes]
-    assert len(zeros) <= 4, len(zeros)  # the loss's library-path backward makes its few
+    # The loss's backward scales the hidden states' gradient in float32 (two casts, once per step).
+    assert [c for c in copies if "linear_cross_entropy" not in c[1]] == [], copies
+    assert len(copies) <= 2, copies
+    zeros = [node_of(e) for e in events if e.name == "aten::zeros" and inside_backward(e)]
+    assert not [z for z in zeros if "lora_linear" in z or "rms_norm" in z], zeros
