@@ -315,7 +315,9 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         _position_ids_only_batches,
     ),
     "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),
-    "sloth_kernels_planned": SuiteSystem("lightning_sloth + the memory plan for the whole card"),
+    "sloth_kernels_planned": SuiteSystem(
+        'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")'
+    ),
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, bench._packed_batches
     ),
