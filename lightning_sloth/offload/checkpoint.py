@@ -14,6 +14,12 @@ through Python hooks, host time that a host-bound step pays per layer, twice; th
 (CPU, and the CUDA device of the inputs), so dropout draws the same masks. A layer called with a
 keyword tensor that needs a gradient takes torch's checkpoint (the node would give it none).
 ``checkpoint_impl="torch"`` keeps torch's checkpoint for every layer (and is what FSDP2 takes).
+
+Two more savings, each with a switch on the controller: the node of the layer fed by a frozen
+plain input embedding keeps the token ids and looks the embedding up again in its backward
+(``rebuild_embedding``; one ``[tokens, hidden]`` tensor less held through the step), and each
+layer's fused LoRA layers take their adapters from one grouped cast per pass under autocast
+(``group_adapter_casts``; see :func:`lightning_sloth.ops.lora.adapter_casts`).
 """
 
 from __future__ import annotations
