@@ -152,8 +152,8 @@ class _EmbeddingWatch:
 
     def rebuild_for(self, args: tuple) -> _Rebuild | None:
         """How to rebuild the embedding's output among a layer's tensor ``args``, or None."""
-        if not self.enabled or self.last is None:
-            return None
+        if not self.enabled or self.last is None or not self.plain(self.module):
+            return None  # plain when watched, sharded since (FSDP2 shards after checkpointing): kept
         output = self.last[0]()
         tensors = [a for a in args if isinstance(a, Tensor)]
         position = next((i for i, t in enumerate(tensors) if t is output), None)
@@ -163,7 +163,12 @@ class _EmbeddingWatch:
     def plain(module: nn.Module | None) -> bool:
         if not isinstance(module, nn.Embedding) or module.max_norm is not None:
             return False
-        return type(module.weight) in (Tensor, nn.Parameter) and not module._forward_pre_hooks
+        weight = module.weight
+        return (
+            type(weight) in (Tensor, nn.Parameter)
+            and type(weight.data) is Tensor
+            and not module._forward_pre_hooks
+        )
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -414,6 +414,10 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         hf_model = find_hf_model(self.lightning_module)
         shardable_layers(hf_model)  # refuse before transforming anything
         report = super().apply_transformations()
+        if report.checkpointing is not None:
+            # The embedding's weight is sharded from here on: its output stays saved, not looked up
+            # again in the backward (where the root's weights might be resharded).
+            report.checkpointing.rebuild_embedding = False
         quantized = convert_before_sharding(self.precision_plugin, self.lightning_module, self.root_device)
         if quantized:
             report.applied.append(f"4-bit base weights ({quantized} tensors, sharded)")
