@@ -163,12 +163,8 @@ class _EmbeddingWatch:
     def plain(module: nn.Module | None) -> bool:
         if not isinstance(module, nn.Embedding) or module.max_norm is not None:
             return False
-        weight = module.weight
-        return (
-            type(weight) in (Tensor, nn.Parameter)
-            and type(weight.data) is Tensor
-            and not module._forward_pre_hooks
-        )
+        # A parameter of a tensor subclass (DTensor, 4-bit) has the subclass's type.
+        return type(module.weight) in (Tensor, nn.Parameter) and not module._forward_pre_hooks
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
