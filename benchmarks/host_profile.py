@@ -32,6 +32,8 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
     """
     import torch
 
+    from lightning_sloth.bench import gpu_busy_ms
+
     kernels = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in events
@@ -47,13 +49,11 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
             "kernels_by_time": [],
         }
     origin = kernels[0][0]
-    busy = 0.0
     end, before = kernels[0][0], ""
     gaps = []
     for start, stop, name in kernels:
         if start > end and before:
             gaps.append((start - end, end - origin, before, name))
-        busy += max(0.0, stop - max(start, end))
         if stop > end:
             end, before = stop, name
     labels = [f"<{GAP_BINS_US[0]:g}us"] + [f"{a:g}-{b:g}us" for a, b in zip(GAP_BINS_US, GAP_BINS_US[1:])]
@@ -71,7 +71,7 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
     heaviest = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     return {
         "wall_ms": wall_us / 1e3,
-        "busy_ms": busy / 1e3,
+        "busy_ms": gpu_busy_ms(events),
         "outside_ms": max(0.0, wall_us - (end - origin)) / 1e3,
         "kernels": len(kernels),
         "gaps": len(gaps),

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
+from lightning_sloth.ops.lora import adapter_casts
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class _LayerNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, anchor, rebuild, *args):
         ctx.run = run
-        ctx.rebuild = rebuild
+        ctx.rebuild = None if rebuild is None else (rebuild.position, rebuild.module)
         ctx.is_tensor = [isinstance(a, Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.needs = [isinstance(a, Tensor) and a.requires_grad for a in args]
@@ -80,8 +81,9 @@ class _LayerNode(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = list(ctx.saved_tensors)
         if ctx.rebuild is not None:
+            position, module = ctx.rebuild
             with torch.no_grad():
-                saved[ctx.rebuild.position] = ctx.rebuild.module(saved[ctx.rebuild.position])
+                saved[position] = module(saved[position])
         saved = iter(saved)
         args = [
             next(saved).detach().requires_grad_(need) if is_tensor else other
@@ -151,13 +153,17 @@ class _EmbeddingWatch:
             self.last = (weakref.ref(output), inputs[0])
 
     def rebuild_for(self, args: tuple) -> _Rebuild | None:
-        """How to rebuild the embedding's output among a layer's tensor ``args``, or None."""
-        if not self.enabled or self.last is None or not self.plain(self.module):
-            return None  # plain when watched, sharded since (FSDP2 shards after checkpointing): kept
+        """How to rebuild the embedding's output among a layer's tensor ``args``, or None (the
+        forward's record is used up by the layer it feeds; the later layers skip the search)."""
+        if not self.enabled or self.last is None:
+            return None
         output = self.last[0]()
         tensors = [a for a in args if isinstance(a, Tensor)]
         position = next((i for i, t in enumerate(tensors) if t is output), None)
-        return None if position is None else _Rebuild(position, self.module, self.last[1])
+        if position is None:
+            return None
+        rebuild, self.last = _Rebuild(position, self.module, self.last[1]), None
+        return rebuild
 
     @staticmethod
     def plain(module: nn.Module | None) -> bool:
@@ -443,8 +449,6 @@ def _call_layer(forward, *args: Any) -> Any:
 
 
 def _with_adapter_casts(forward, modules: list[nn.Module], *args: Any) -> Any:
-    from lightning_sloth.ops.lora import adapter_casts
-
     with adapter_casts(modules):
         return forward(*args)
 

@@ -69,17 +69,24 @@ def _lora_linear_backward_op(
     """Returns ``(dx, dA, dB)``; gradients not asked for are empty tensors."""
     dy = grad_y.reshape(-1, grad_y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
-    if _exact_alpha(scale):  # the scale as the products' alpha: no [N, r] multiplies, same values
-        g = dy @ lora_b if (grad_x or grad_a) else None
-        dx = (dy @ weight).addmm_(g, lora_a, alpha=scale).view(x.shape) if grad_x else x.new_empty(0)
-        da = _scaled_mm(g.t(), rows, scale, lora_a) if grad_a else x.new_empty(0)
-        db = _scaled_mm(dy.t(), xa, scale, lora_b) if grad_b else x.new_empty(0)
-        return dx, da, db
-    g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
-    dx = (dy @ weight).addmm_(g, lora_a).view(x.shape) if grad_x else x.new_empty(0)
-    da = g.t() @ rows if grad_a else x.new_empty(0)
-    db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    g, alpha, da, db = _adapter_grads(dy, rows, xa, lora_a, lora_b, scale, grad_x or grad_a, grad_a, grad_b)
+    dx = (dy @ weight).addmm_(g, lora_a, alpha=alpha).view(x.shape) if grad_x else x.new_empty(0)
     return dx, da, db
+
+
+def _adapter_grads(dy, rows, xa, lora_a, lora_b, scale, need_g, grad_a, grad_b):
+    """``(g, alpha, dA, dB)`` of both backward ops; ``dx`` adds ``alpha * g @ A`` (``g`` is None
+    unless ``need_g``). A power-of-two scale is the products' alpha: no ``[N, r]`` multiplies, the
+    values of scaling the operands first; any other scale scales the operands."""
+    if _exact_alpha(scale):
+        g = dy @ lora_b if need_g else None
+        da = _scaled_mm(g.t(), rows, scale, lora_a) if grad_a else rows.new_empty(0)
+        db = _scaled_mm(dy.t(), xa, scale, lora_b) if grad_b else rows.new_empty(0)
+        return g, scale, da, db
+    g = (dy @ lora_b) * scale if need_g else None
+    da = g.t() @ rows if grad_a else rows.new_empty(0)  # one empty each: outputs may not alias
+    db = dy.t() @ (xa * scale) if grad_b else rows.new_empty(0)
+    return g, 1.0, da, db
 
 
 def _exact_alpha(scale: float) -> bool:
@@ -112,14 +119,7 @@ def _lora_linear_backward_inplace_op(
     """Writes ``dx`` into x (after ``dA`` has read it); returns ``(dA, dB)``, empty where not asked for."""
     dy = grad_y.reshape(-1, grad_y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
-    if _exact_alpha(scale):  # as in _lora_linear_backward_op
-        g, alpha = dy @ lora_b, scale
-        da = _scaled_mm(g.t(), rows, scale, lora_a) if grad_a else x.new_empty(0)
-        db = _scaled_mm(dy.t(), xa, scale, lora_b) if grad_b else x.new_empty(0)
-    else:
-        g, alpha = (dy @ lora_b) * scale, 1.0
-        da = g.t() @ rows if grad_a else x.new_empty(0)
-        db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    g, alpha, da, db = _adapter_grads(dy, rows, xa, lora_a, lora_b, scale, True, grad_a, grad_b)
     if x.is_contiguous():  # rows is then a view of x
         torch.mm(dy, weight, out=rows).addmm_(g, lora_a, alpha=alpha)
     else:  # x cannot be viewed as contiguous rows: compute apart, then copy in
