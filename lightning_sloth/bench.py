@@ -21,6 +21,9 @@ Systems (all with LoRA r=16 on the 7 projections and gradient checkpointing):
                            keep/recompute/offload plan for what the device has free.
     sloth_kernels_no_checkpointing
                            kernels without gradient checkpointing (every activation kept).
+    sloth_kernels_graphs   + CUDA graphs of each layer's forward and recompute + backward
+                           (``cuda_graphs=True``; rows padded to the budget, ``cu_seqlens`` to a
+                           power-of-two length). ``sloth_kernels_offload_graphs``: with offload.
     sloth_kernels_offload_budget_<N>gib
                            + offload "on" and a memory plan for ``N`` GiB of layer activations.
     sloth_kernels_without_<op>
@@ -233,6 +236,22 @@ def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[
         yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
 
 
+def _static_packed_batches(
+    workload: Workload, samples, pad_id: int
+) -> Iterator[tuple[list[dict], int, int, int]]:
+    """The bins of :func:`_packed_batches`, every row padded to the budget and ``cu_seqlens`` to a
+    power-of-two length: the few static shapes CUDA graphs of the layers replay."""
+    from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
+
+    collate = PackedCollator(
+        max_tokens=workload.tokens_per_step, pad_token_id=pad_id, pad_to="max_tokens", segments_bucket="pow2"
+    )
+    for idx in pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step):
+        batch = collate([samples[i] for i in idx])
+        inputs = batch.model_inputs() | {"labels": batch.labels}
+        yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
+
+
 def shape_config(shape: str, attn: str = "sdpa"):
     """The transformers config of a :data:`SHAPES` entry (family from :data:`SHAPE_FAMILIES`)."""
     from transformers import AutoConfig
@@ -299,6 +318,11 @@ SYSTEMS: dict[str, tuple[Callable, Callable]] = {
     "sloth_kernels_offload": (_sloth(kernels=True, offload="on"), _packed_batches),
     "sloth_kernels_planned": (_sloth(kernels=True, offload="auto", memory_budget="auto"), _packed_batches),
     "sloth_kernels_no_checkpointing": (_sloth(kernels=True, gradient_checkpointing=False), _packed_batches),
+    "sloth_kernels_graphs": (_sloth(kernels=True, cuda_graphs=True), _static_packed_batches),
+    "sloth_kernels_offload_graphs": (
+        _sloth(kernels=True, offload="on", cuda_graphs=True),
+        _static_packed_batches,
+    ),
 }
 
 

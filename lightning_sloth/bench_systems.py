@@ -315,6 +315,8 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         _position_ids_only_batches,
     ),
     "sloth_kernels_offload": SuiteSystem("lightning_sloth + offload, double-buffered"),
+    "sloth_kernels_graphs": SuiteSystem("lightning_sloth + CUDA graphs of the layers (cuda_graphs=True)"),
+    "sloth_kernels_offload_graphs": SuiteSystem("lightning_sloth + offload + CUDA graphs of the layers"),
     "sloth_kernels_planned": SuiteSystem(
         'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")'
     ),

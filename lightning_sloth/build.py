@@ -147,8 +147,13 @@ def build_data_sources(data: DictConfig) -> tuple[Any, Any]:
     raise TypeError(f"data config of type {kind.__name__} has no builder")
 
 
-def build_datamodule(data: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PackedDataModule:
-    """The ``PackedDataModule`` of the ``data`` node (nothing is tokenized until ``setup``)."""
+def build_datamodule(
+    data: DictConfig, tokenizer: PreTrainedTokenizerBase, static_shapes: bool = False
+) -> PackedDataModule:
+    """The ``PackedDataModule`` of the ``data`` node (nothing is tokenized until ``setup``).
+
+    ``static_shapes`` (set by ``sloth.cuda_graphs``): every row padded to ``max_tokens`` and
+    ``cu_seqlens`` to a power-of-two length, so the layers' CUDA graphs see few shapes."""
     from lightning_sloth.data import PackedDataModule
 
     train, val = build_data_sources(data)
@@ -163,6 +168,8 @@ def build_datamodule(data: DictConfig, tokenizer: PreTrainedTokenizerBase) -> Pa
         seed=data.seed,
         pad_to_multiple_of=data.pad_to_multiple_of,
         shuffle=data.shuffle,
+        pad_to="max_tokens" if static_shapes else "multiple",
+        segments_bucket="pow2" if static_shapes else "exact",
     )
 
 
@@ -261,6 +268,7 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
         "compile": (compile_options or True) if sloth.compile else False,
         "moe": sloth.moe,
         "checkpoint_impl": sloth.checkpoint_impl,
+        "cuda_graphs": sloth.cuda_graphs,
     }
 
 

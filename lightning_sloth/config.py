@@ -305,6 +305,8 @@ class SlothConfig:
         checkpoint_impl: ``node`` (each checkpointed layer one autograd node: less host time per
             layer), ``torch`` (torch's non-reentrant checkpoint per layer), or null (the
             strategy's default: ``node``, and ``torch`` under ``sloth_fsdp``).
+        cuda_graphs: replay each checkpointed layer's forward and recompute + backward as CUDA
+            graphs (one device; the packed rows are padded to ``data.max_tokens``; no dropout).
     """
 
     packed_attention: bool = True
@@ -317,6 +319,7 @@ class SlothConfig:
     compile_options: dict[str, Any] = field(default_factory=dict)
     moe: bool = True
     checkpoint_impl: str | None = None
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -531,6 +534,12 @@ def _check_sloth(sloth: DictConfig, errors: list[str]) -> None:
         errors.append(
             "sloth.offload: needs sloth.gradient_checkpointing=true (it offloads checkpointed inputs)"
         )
+    if sloth.get("cuda_graphs") and not sloth.gradient_checkpointing:
+        errors.append(
+            "sloth.cuda_graphs: needs sloth.gradient_checkpointing=true (it graphs the checkpointed layers)"
+        )
+    if sloth.get("cuda_graphs") and sloth.get("compile"):
+        errors.append("sloth.cuda_graphs: excludes sloth.compile (choose one)")
     if sloth.get("checkpoint_impl") not in (None, "torch", "node"):
         errors.append(
             f"sloth.checkpoint_impl: must be 'torch', 'node' or null, got {sloth.checkpoint_impl!r}"
@@ -567,6 +576,11 @@ def validate(cfg: DictConfig) -> None:
     _check_lora(cfg.lora, errors)
     _check_trainer(cfg.trainer, errors)
     _check_sloth(cfg.sloth, errors)
+    if cfg.sloth.get("cuda_graphs") and (cfg.trainer.devices != 1 or cfg.trainer.get("num_nodes", 1) != 1):
+        errors.append(
+            "sloth.cuda_graphs: runs on one device (trainer.devices=1, one node); its graphs set "
+            "gradients directly, which DDP/FSDP hooks would not see"
+        )
     _check_optimizer(cfg.optimizer, errors)
     if cfg.precision.get("quantize") not in (None, "nf4", "nf4-dq", "fp4"):
         errors.append(

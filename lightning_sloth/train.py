@@ -178,7 +178,7 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
 
     seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = build.build_tokenizer(cfg.model)
-    datamodule = build.build_datamodule(cfg.data, tokenizer)
+    datamodule = build.build_datamodule(cfg.data, tokenizer, static_shapes=cfg.sloth.cuda_graphs)
     module = build.build_module(cfg, build.build_model(cfg.model, tokenizer))
     if resume:
         log.info("resuming from %s", resume)

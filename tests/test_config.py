@@ -180,6 +180,12 @@ def test_unknown_group_option_lists_the_options(hydra_conf):
             "sloth.offload: needs sloth.gradient_checkpointing=true",
         ),
         (["sloth.checkpoint_impl=reentrant"], "sloth.checkpoint_impl: must be 'torch', 'node' or null"),
+        (["sloth.cuda_graphs=true", "trainer.devices=2"], r"sloth.cuda_graphs: runs on one device"),
+        (
+            ["sloth.cuda_graphs=true", "sloth.gradient_checkpointing=false"],
+            "sloth.cuda_graphs: needs sloth.gradient_checkpointing=true",
+        ),
+        (["sloth.cuda_graphs=true", "sloth.compile=true"], "sloth.cuda_graphs: excludes sloth.compile"),
         (["resume=''"], "resume: must be 'auto', a checkpoint path or null"),
     ],
 )
@@ -261,6 +267,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "compile": False,
         "moe": True,
         "checkpoint_impl": None,  # the strategy's default (node; torch's under sloth_fsdp)
+        "cuda_graphs": False,
     }
     assert build.sloth_settings(make("sloth=off").sloth) == {
         "packed_attention": False,
@@ -271,6 +278,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "compile": False,
         "moe": False,
         "checkpoint_impl": None,
+        "cuda_graphs": False,
     }
     tuned = make(
         "sloth.kernels=on",
@@ -297,6 +305,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
     )
     assert build.sloth_settings(make("sloth.kernels=on").sloth)["kernels"] is True  # the default set
     assert build.sloth_settings(make("sloth.checkpoint_impl=torch").sloth)["checkpoint_impl"] == "torch"
+    assert build.sloth_settings(make("sloth.cuda_graphs=true").sloth)["cuda_graphs"] is True
     assert build.sloth_settings(make("sloth.kernels=on", "sloth.kernel_ops.add_rms_norm=false").sloth)[
         "kernels"
     ] == dict.fromkeys(["rms_norm", "rope", "glu", "cross_entropy", "lora"], True) | {"add_rms_norm": False}

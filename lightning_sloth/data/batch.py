@@ -38,6 +38,8 @@ class PackedBatch:
         num_target_tokens: tokens that carry a loss (labels != -100 after the shift).
         capacity: ``T``, the token budget the batch was packed into.
         sum_sq_seqlens: ``Σ len²`` over the real documents (host int), for attention FLOP counts.
+        empty_segments: empty segments at the end of ``cu_seqlens`` (``PackedCollator``'s
+            ``segments_bucket="pow2"``), which hold no tokens.
     """
 
     input_ids: Tensor
@@ -49,11 +51,12 @@ class PackedBatch:
     num_target_tokens: int
     capacity: int
     sum_sq_seqlens: int = 0
+    empty_segments: int = 0
 
     @property
     def num_documents(self) -> int:
-        """Number of segments, padding segment included (host-side shape, no sync)."""
-        return self.cu_seqlens.shape[0] - 1
+        """Number of segments, padding segment included, empty ones not (host-side, no sync)."""
+        return self.cu_seqlens.shape[0] - 1 - self.empty_segments
 
     @property
     def efficiency(self) -> float:

@@ -238,6 +238,8 @@ class PackedDataModule(L.LightningDataModule):
         pad_to_multiple_of: row length is rounded up to this multiple (capped at ``max_tokens``).
         pad_to: ``"multiple"`` or ``"max_tokens"`` (always pad the row to the full budget).
         shuffle: reshuffle and repack the training split every epoch.
+        segments_bucket: ``"exact"`` or ``"pow2"`` (``cu_seqlens`` padded with empty segments to
+            a power-of-two length; with ``pad_to="max_tokens"`` the static shapes CUDA graphs need).
     """
 
     def __init__(
@@ -254,6 +256,7 @@ class PackedDataModule(L.LightningDataModule):
         pad_to_multiple_of: int = 64,
         pad_to: Literal["multiple", "max_tokens"] = "multiple",
         shuffle: bool = True,
+        segments_bucket: Literal["pow2", "exact"] = "exact",
     ) -> None:
         super().__init__()
         if train is None:
@@ -271,7 +274,11 @@ class PackedDataModule(L.LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.collator = PackedCollator(
-            max_tokens, self.pad_token_id, pad_to_multiple_of=pad_to_multiple_of, pad_to=pad_to
+            max_tokens,
+            self.pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_to=pad_to,
+            segments_bucket=segments_bucket,
         )
         self.packing_stats: dict[str, PackingStats] = {}
         self._samples: dict[str, list[Sample]] = {}

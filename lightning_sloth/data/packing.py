@@ -182,6 +182,10 @@ class PackedCollator:
             fixed shape, e.g. for ``torch.compile`` with static shapes).
         seqlen_bucket: ``"pow2"`` rounds ``max_seqlen`` up to a power of two (capped at the
             row length) so compiled code sees few distinct values; ``"exact"`` keeps it exact.
+        segments_bucket: ``"pow2"`` appends empty segments (repeated ``T`` at the end of
+            ``cu_seqlens``) up to a power-of-two segment count, so ``cu_seqlens`` takes few shapes
+            (with ``pad_to="max_tokens"``, what CUDA graphs of the layers need); ``"exact"`` (the
+            default) adds none. Attention skips empty segments; they hold no tokens.
     """
 
     def __init__(
@@ -191,6 +195,7 @@ class PackedCollator:
         pad_to_multiple_of: int = 64,
         pad_to: Literal["multiple", "max_tokens"] = "multiple",
         seqlen_bucket: Literal["pow2", "exact"] = "pow2",
+        segments_bucket: Literal["pow2", "exact"] = "exact",
     ) -> None:
         _check_budget(max_tokens)
         if pad_to_multiple_of < 1:
@@ -199,11 +204,14 @@ class PackedCollator:
             raise ValueError(f"pad_to must be 'multiple' or 'max_tokens', got {pad_to!r}")
         if seqlen_bucket not in ("pow2", "exact"):
             raise ValueError(f"seqlen_bucket must be 'pow2' or 'exact', got {seqlen_bucket!r}")
+        if segments_bucket not in ("pow2", "exact"):
+            raise ValueError(f"segments_bucket must be 'pow2' or 'exact', got {segments_bucket!r}")
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to = pad_to
         self.seqlen_bucket = seqlen_bucket
+        self.segments_bucket = segments_bucket
 
     def padded_length(self, num_tokens: int) -> int:
         """Row length ``T`` for ``num_tokens`` real tokens."""
@@ -249,6 +257,10 @@ class PackedCollator:
         segment_lengths = torch.tensor(lengths, dtype=torch.long)
         cu_seqlens = torch.nn.functional.pad(segment_lengths.cumsum(0), (1, 0))
         starts = cu_seqlens[:-1]
+        empty = 0
+        if self.segments_bucket == "pow2":
+            empty = (1 << (len(lengths) - 1).bit_length()) - len(lengths)
+            cu_seqlens = torch.nn.functional.pad(cu_seqlens, (0, empty), value=row_length)
         label_row = torch.cat(labels)
         label_row[starts] = IGNORE_INDEX  # no target crosses into a document from the one before
         position_ids = torch.arange(row_length) - torch.repeat_interleave(starts, segment_lengths)
@@ -262,4 +274,5 @@ class PackedCollator:
             num_target_tokens=int((label_row != IGNORE_INDEX).sum()),
             capacity=row_length,
             sum_sq_seqlens=sum_sq_seqlens,
+            empty_segments=empty,
         )

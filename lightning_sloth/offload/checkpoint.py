@@ -232,6 +232,7 @@ class CheckpointedLayers:
         memory_budget: int | Literal["auto"] | None,
         compile_layers: bool | dict[str, Any] = False,
         checkpoint_impl: CheckpointImpl = "node",
+        cuda_graphs: bool = False,
     ) -> None:
         if checkpoint_impl not in get_args(CheckpointImpl):
             raise ValueError(
@@ -265,6 +266,18 @@ class CheckpointedLayers:
         self.group_adapter_casts = True
         """Each layer's fused LoRA layers take their adapters from one grouped cast per pass
         (:func:`lightning_sloth.ops.lora.adapter_casts`); ``False``: two casts per call, as before."""
+        self.graphs = self._graphs(model) if cuda_graphs else None
+        """The layers' CUDA graphs (:class:`~lightning_sloth.offload.graphs.LayerGraphs`), or None."""
+
+    def _graphs(self, model: nn.Module):
+        from lightning_sloth.offload.graphs import LayerGraphs, check_graphable
+
+        if self.checkpoint_impl != "node":
+            raise ValueError("cuda_graphs needs checkpoint_impl='node' (the graphs replay the node's passes)")
+        if self._compiled is not None:
+            raise ValueError("cuda_graphs and compile_layers exclude each other: choose one")
+        check_graphable(model)
+        return LayerGraphs(self.layers)
 
     def _watch_embedding(self) -> _EmbeddingWatch | None:
         """The node checkpoint of the layer fed by a frozen plain input embedding keeps the token ids
@@ -319,14 +332,25 @@ class CheckpointedLayers:
         if mode == "keep":
             return forward(*args)
         if self.offloader is None:
-            return self._checkpoint(forward, args)
+            return self._checkpoint(index, forward, args)
         with self.offloader.saved_tensors_hooks(offload=mode == "offload"):
-            return self._checkpoint(forward, args)
+            return self._checkpoint(index, forward, args)
 
-    def _checkpoint(self, forward, args: tuple) -> Any:
+    def _checkpoint(self, index: int, forward, args: tuple) -> Any:
         if self.checkpoint_impl == "node" and self._node_fits(forward):
             rebuild = self._embedding.rebuild_for(args) if self._embedding is not None else None
-            return _LayerNode.apply(forward, self._anchor, rebuild, *args)
+            graphs = self.graphs
+            if graphs is None:
+                return _LayerNode.apply(forward, self._anchor, rebuild, *args)
+            from lightning_sloth.offload.graphs import GraphedLayerNode
+
+            key = graphs.key(index, forward, args)
+            if graphs.graphed(key):
+                entry = graphs.entry(key, forward, args)
+                return GraphedLayerNode.apply(graphs, entry, forward, self._anchor, rebuild, *args)
+            out = _LayerNode.apply(forward, self._anchor, rebuild, *args)
+            graphs.note_eager(key, out)
+            return out
         return checkpoint(forward, *args, use_reentrant=False)
 
     @staticmethod
@@ -475,6 +499,7 @@ def apply_checkpointing(
     memory_budget: int | Literal["auto"] | None = None,
     compile_layers: bool | dict[str, Any] = False,
     checkpoint_impl: CheckpointImpl = "node",
+    cuda_graphs: bool = False,
 ) -> CheckpointedLayers:
     """Checkpoint every decoder layer of a transformers model, wrapped by the offloader's hooks.
 
@@ -502,11 +527,16 @@ def apply_checkpointing(
             a dict of ``torch.compile`` keyword arguments).
         checkpoint_impl: ``"node"`` (the default: each layer one autograd node, less host time
             per layer; see the module notes) or ``"torch"`` (torch's non-reentrant checkpoint).
+        cuda_graphs: replay each node-checkpointed layer's forward and its recompute + backward
+            as CUDA graphs (one device, static shapes, no dropout; see
+            :mod:`lightning_sloth.offload.graphs`).
 
     Returns:
         The :class:`CheckpointedLayers` controller (plan, measurements, ``remove()``).
     """
-    controller = CheckpointedLayers(model, offloader, plan, memory_budget, compile_layers, checkpoint_impl)
+    controller = CheckpointedLayers(
+        model, offloader, plan, memory_budget, compile_layers, checkpoint_impl, cuda_graphs
+    )
     for index, layer in enumerate(controller.layers):
         layer = _unwrap(layer)
         layer.gradient_checkpointing = True

@@ -71,6 +71,7 @@ def transform_model(
     compile: bool | dict = False,
     moe: bool = True,
     checkpoint_impl: str = "node",
+    cuda_graphs: bool = False,
 ) -> SlothReport:
     """Apply lightning_sloth's transformations to a transformers model, in place.
 
@@ -94,6 +95,9 @@ def transform_model(
         checkpoint_impl: ``"node"`` (the default: each checkpointed layer one autograd node,
             less host time per layer; see ``lightning_sloth.offload.checkpoint``) or ``"torch"``
             (torch's non-reentrant checkpoint per layer).
+        cuda_graphs: replay each checkpointed layer's forward and its recompute + backward as
+            CUDA graphs (one device; static shapes: ``PackedCollator(pad_to="max_tokens",
+            segments_bucket="pow2")``; no dropout). Needs ``gradient_checkpointing`` and the node.
     """
     report = SlothReport()
     hf_model = find_hf_model(model)
@@ -120,6 +124,8 @@ def transform_model(
     compile_kwargs = (compile if isinstance(compile, Mapping) else {}) if compile else None
     if offload not in ("off", "on", "auto"):
         raise ValueError(f"offload must be 'off', 'on' or 'auto', got {offload!r}")
+    if cuda_graphs and not gradient_checkpointing:
+        raise ValueError("cuda_graphs needs gradient_checkpointing=True (it graphs the checkpointed layers)")
     if offload != "off" and not gradient_checkpointing:
         raise ValueError(
             "offload needs gradient_checkpointing=True (it offloads the checkpointed layer inputs)"
@@ -137,8 +143,11 @@ def transform_model(
             memory_budget=memory_budget,
             compile_layers=compile_kwargs if compile_kwargs is not None else False,
             checkpoint_impl=checkpoint_impl,
+            cuda_graphs=cuda_graphs,
         )
         report.applied.append("activation checkpointing" + (" + memory plan" if memory_budget else ""))
+        if cuda_graphs:
+            report.applied.append("CUDA graphs")
     elif compile_kwargs is not None:
         from lightning_sloth.patching import compile_blocks
 
@@ -167,9 +176,15 @@ class _SlothSetup:
         compile: bool | dict = False,
         moe: bool = True,
         checkpoint_impl: str | None = None,
+        cuda_graphs: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if cuda_graphs and not isinstance(self, SingleDeviceStrategy):
+            raise ValueError(
+                f"cuda_graphs runs on one device only: its graphs set the parameters' gradients "
+                f"directly, which the gradient hooks of {type(self).__name__} would never see"
+            )
         if checkpoint_impl is None:  # the strategy's own: the node, torch's checkpoint under FSDP2
             checkpoint_impl = self.default_checkpoint_impl
         self.sloth_settings = dict(
@@ -181,6 +196,7 @@ class _SlothSetup:
             compile=compile,
             moe=moe,
             checkpoint_impl=checkpoint_impl,
+            cuda_graphs=cuda_graphs,
         )
         self.offloader = None
         self.sloth_report: SlothReport | None = None
@@ -231,6 +247,8 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own).
         checkpoint_impl: ``"node"`` (each checkpointed layer one autograd node; the default) or
             ``"torch"``.
+        cuda_graphs: replay each checkpointed layer's passes as CUDA graphs (static shapes, no
+            dropout; see :mod:`lightning_sloth.offload.graphs`).
         device: the device; by default the one the Trainer's accelerator picks.
 
     See :func:`transform_model` for the order the transformations are applied in.

@@ -1,0 +1,172 @@
+"""CUDA graphs of the checkpointed layers (``cuda_graphs=True``): replays give eager's losses and
+gradients step after step, with different batches of one shape, with offload, with gradient
+accumulation, with a new shape mid-run, and without a device sync once captured.
+
+Run on the GPU machine with ``pytest -m gpu tests/gpu/test_cuda_graphs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
+
+from lightning_sloth.data import PackedCollator
+from lightning_sloth.plugins.strategy import transform_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOKENS = 512
+LAYERS = 3
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=TOKENS,
+)
+
+
+def _model(family: str, dtype: torch.dtype = torch.float32):
+    make = tiny_qwen3 if family == "qwen3" else tiny_llama
+    overrides = dict(SHAPE, head_dim=16) if family == "qwen3" else SHAPE
+    model = add_lora(make(seed=0, **overrides)).to("cuda")
+    if dtype != torch.float32:  # bf16 base weights, float32 adapters (PEFT's mixed setup)
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                p.data = p.data.to(dtype)
+    return model.train()
+
+
+def _batches(steps: int, seed: int = 0, longest: int = 100, tokens: int = TOKENS):
+    collate = PackedCollator(tokens, 0, pad_to="max_tokens", segments_bucket="pow2")
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(steps):
+        lengths, total = [], 0
+        while True:
+            n = int(torch.randint(20, longest + 1, (), generator=gen))
+            if total + n > tokens - 8:
+                break
+            lengths.append(n)
+            total += n
+        docs = random_documents(lengths, seed=seed * 1000 + step)
+        batches.append(collate([(d, d) for d in docs]))
+    return batches
+
+
+def _train(model, batches, accumulate: int = 1, autocast: torch.dtype | None = None):
+    """Losses (device tensors) and, per optimizer step, the trainable gradients before the step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    losses, grads = [], []
+    for i, batch in enumerate(batches):
+        b = batch.to("cuda")
+        with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = model(**b.model_inputs(), labels=b.labels).loss
+        (loss / accumulate).backward()
+        losses.append(loss.detach())
+        if (i + 1) % accumulate == 0:
+            grads.append({n: p.grad.detach().clone() for n, p in zip(names, params) if p.grad is not None})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return torch.stack(losses), grads
+
+
+def _pair(family="llama", dtype=torch.float32, **settings):
+    eager = _model(family, dtype)
+    graphed = copy.deepcopy(eager)
+    transform_model(eager, kernels=True, **settings)
+    report = transform_model(graphed, kernels=True, cuda_graphs=True, **settings)
+    return eager, graphed, report.checkpointing.graphs
+
+
+def _expected(batches) -> tuple[int, int, int]:
+    """Captures, replays and eager layer calls the graphs should count for these steps: the first
+    step runs eagerly (the warm-up of the input layout), each key's first later step captures both
+    graphs of every layer, and every step after the first replays them."""
+    keys, captures, replays, eager = set(), 0, 0, 0
+    for i, b in enumerate(batches):
+        if i == 0:
+            eager += LAYERS
+            continue
+        key = (b.cu_seqlens.shape[0], b.max_seqlen)
+        if key not in keys:
+            keys.add(key)
+            captures += 2 * LAYERS
+        replays += 2 * LAYERS
+    return captures, replays, eager
+
+
+def _assert_counts(graphs, batches) -> None:
+    assert (graphs.captures, graphs.replays, graphs.eager_calls) == _expected(batches)
+    assert graphs.replays > 0
+
+
+def _assert_same(got, want, rtol=1e-5, atol=1e-6):
+    (got_losses, got_grads), (want_losses, want_grads) = got, want
+    torch.testing.assert_close(got_losses, want_losses, rtol=rtol, atol=atol)
+    assert len(got_grads) == len(want_grads)
+    for g, w in zip(got_grads, want_grads):
+        assert g.keys() == w.keys()
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_replays_match_eager_across_batches(family):
+    eager, graphed, graphs = _pair(family)
+    batches = _batches(5)
+    want = _train(eager, batches)
+    got = _train(graphed, batches)
+    _assert_same(got, want)
+    _assert_counts(graphs, batches)
+
+
+def test_replays_match_eager_with_offload():
+    eager, graphed, graphs = _pair(offload="on")
+    batches = _batches(4, seed=1)
+    _assert_same(_train(graphed, batches), _train(eager, batches))
+    _assert_counts(graphs, batches)
+
+
+def test_gradient_accumulation_and_bf16_autocast():
+    eager, graphed, graphs = _pair(dtype=torch.bfloat16)
+    batches = _batches(6, seed=2)
+    want = _train(eager, batches, accumulate=2, autocast=torch.bfloat16)
+    got = _train(graphed, batches, accumulate=2, autocast=torch.bfloat16)
+    _assert_same(got, want, rtol=2e-2, atol=2e-3)
+    _assert_counts(graphs, batches)
+
+
+def test_a_new_key_is_captured_at_its_first_call():
+    eager, graphed, graphs = _pair()
+    # Short documents, then long ones: max_seqlen's bucket changes (a new key) at step 4.
+    batches = _batches(3, seed=3, longest=60) + _batches(3, seed=4, longest=250)
+    assert len({(b.cu_seqlens.shape[0], b.max_seqlen) for b in batches}) > 1
+    _assert_same(_train(graphed, batches), _train(eager, batches))
+    _assert_counts(graphs, batches)
+
+
+def test_no_device_sync_once_captured():
+    _, graphed, graphs = _pair()
+    batches = [_batches(1, seed=5)[0]] * 5  # one key throughout
+    _train(graphed, batches[:2])  # warm-up and capture (a capture synchronizes once)
+    captures, replays = graphs.captures, graphs.replays
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _train(graphed, batches[2:])
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert graphs.captures == captures and graphs.replays == replays + 2 * LAYERS * 3
+
+
+def test_dropout_is_refused():
+    model = add_lora(tiny_llama(seed=0, attention_dropout=0.1)).to("cuda")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        transform_model(model, kernels=True, cuda_graphs=True)
