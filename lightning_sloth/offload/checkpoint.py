@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
 from lightning_sloth.ops.lora import adapter_casts
+from lightning_sloth.patching._forwards import layer_output_unread
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ class _LayerNode(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, run, anchor, rebuild, *args):
+    def forward(ctx, run, anchor, rebuild, unread, *args):
         ctx.run = run
+        ctx.unread = unread
         ctx.rebuild = None if rebuild is None else (rebuild.position, rebuild.module)
         ctx.is_tensor = [isinstance(a, Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
@@ -102,6 +104,8 @@ class _LayerNode(torch.autograd.Function):
                 stack.enter_context(
                     torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=ctx.autocast_cache)
                 )
+            if ctx.unread:  # only the outputs' gradient edges are used below, never their values
+                stack.enter_context(layer_output_unread())
             out = ctx.run(*args)
         outs = out if isinstance(out, tuple) else (out,)
         # The backward starts from the outputs' gradient edges, not the outputs: the recomputed
@@ -115,7 +119,7 @@ class _LayerNode(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
         input_grads = [a.grad if need else None for a, need in zip(args, ctx.needs)]
-        return (None, None, None, *input_grads)
+        return (None, None, None, None, *input_grads)
 
 
 class _Rebuild(NamedTuple):
@@ -266,6 +270,10 @@ class CheckpointedLayers:
         self.group_adapter_casts = True
         """Each layer's fused LoRA layers take their adapters from one grouped cast per pass
         (:func:`lightning_sloth.ops.lora.adapter_casts`); ``False``: two casts per call, as before."""
+        self.skip_unread_output = True
+        """The node's recompute skips what only the layer output's values need (the fused LoRA
+        ``down_proj``'s base product and the residual add: see
+        :func:`lightning_sloth.patching._forwards.layer_output_unread`); ``False``: the whole forward."""
         self.graphs = self._graphs(model) if cuda_graphs else None
         """The layers' CUDA graphs (:class:`~lightning_sloth.offload.graphs.LayerGraphs`), or None."""
 
@@ -340,15 +348,16 @@ class CheckpointedLayers:
         if self.checkpoint_impl == "node" and self._node_fits(forward):
             rebuild = self._embedding.rebuild_for(args) if self._embedding is not None else None
             graphs = self.graphs
+            unread = self.skip_unread_output and self._compiled is None
             if graphs is None:
-                return _LayerNode.apply(forward, self._anchor, rebuild, *args)
+                return _LayerNode.apply(forward, self._anchor, rebuild, unread, *args)
             from lightning_sloth.offload.graphs import GraphedLayerNode
 
-            key = graphs.key(index, forward, args)
+            key = graphs.key(index, forward, args, unread)
             if graphs.graphed(key):
                 entry = graphs.entry(key, forward, args)
                 return GraphedLayerNode.apply(graphs, entry, forward, self._anchor, rebuild, *args)
-            out = _LayerNode.apply(forward, self._anchor, rebuild, *args)
+            out = _LayerNode.apply(forward, self._anchor, rebuild, unread, *args)
             graphs.note_eager(key, out)
             return out
         return checkpoint(forward, *args, use_reentrant=False)

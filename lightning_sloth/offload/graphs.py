@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sloth.patching._forwards import layer_output_unread
+
 log = logging.getLogger(__name__)
 
 _AUTOCAST = ("cuda",)
@@ -146,8 +148,9 @@ class _Static:
 class _Entry:
     """One layer under one key: its forward and backward graphs (made on first use)."""
 
-    def __init__(self, layer: nn.Module, run, static: _Static, autocast: list) -> None:
+    def __init__(self, layer: nn.Module, run, static: _Static, autocast: list, unread: bool = False) -> None:
         self.layer = layer
+        self.unread = unread  # the recompute skips what only the output's values need
         self.run = run  # the layer's forward over the static keyword tensors
         self.static = static
         self.autocast = autocast
@@ -201,9 +204,10 @@ class LayerGraphs:
         self.eager_calls = 0
 
     # ---------------------------------------------------------------------------- keys
-    def key(self, index: int, forward, args: tuple) -> tuple | None:
-        """The graph key of a call (layer, tensor layouts, Python values, autocast state), or None
-        when the call cannot be graphed (a tensor off the layer's CUDA device, an unknown value)."""
+    def key(self, index: int, forward, args: tuple, unread: bool = False) -> tuple | None:
+        """The graph key of a call (layer, tensor layouts, Python values, autocast state, whether
+        the recompute skips what only the output's values need), or None when the call cannot be
+        graphed (a tensor off the layer's CUDA device, an unknown value)."""
         if not args or any(not isinstance(a, Tensor) for a in args):
             return None
         device = args[0].device
@@ -223,7 +227,7 @@ class LayerGraphs:
             else:
                 return None
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST)
-        return (index, tuple(_meta(a) for a in args), tuple(layout), tuple(values), autocast)
+        return (index, tuple(_meta(a) for a in args), tuple(layout), tuple(values), autocast, unread)
 
     # ---------------------------------------------------------------------------- calls
     @staticmethod
@@ -279,7 +283,7 @@ class LayerGraphs:
             static = self._statics[layout] = _Static(list(args), keywords, output)
         mapping = {id(k): s for k, s in zip(keywords, static.keywords)}
         run = _map_callable(forward, lambda t: mapping[id(t)])
-        entry = _Entry(self.layers[key[0]], run, static, list(key[4]))
+        entry = _Entry(self.layers[key[0]], run, static, list(key[4]), unread=key[5])
         self._entries[key] = entry
         return entry
 
@@ -358,6 +362,8 @@ class LayerGraphs:
                 inputs = [s.detach().requires_grad_(need) for s, need in zip(static.inputs, needs)]
                 with torch.enable_grad(), contextlib.ExitStack() as stack:
                     entry.autocast_contexts(stack)
+                    if entry.unread:
+                        stack.enter_context(layer_output_unread())
                     out = entry.run(*inputs)
                 wanted = [x for x, need in zip(inputs, needs) if need] + entry.params
                 grads = iter(torch.autograd.grad(out, wanted, static.grad_output, allow_unused=True))

@@ -153,8 +153,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, _grad_xa):
+    dx, da, db = _input_grads(ctx, grad_y, ctx.needs_input_grad[:4])
+    return dx, None, da, db, None, None
+
+
+def _input_grads(ctx, grad_y, needs) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dA, dB)`` (None where not needed) from ``ctx.saved_tensors`` = ``(x, xa, W, A, B)``,
+    ``ctx.scale`` and ``ctx.overwrite_input``; ``needs``: the needs of ``(x, W, A, B)``."""
     x, xa, weight, lora_a, lora_b = ctx.saved_tensors
-    need_x, need_w, need_a, need_b = ctx.needs_input_grad[:4]
+    need_x, need_w, need_a, need_b = needs
     if need_w:
         raise RuntimeError("sloth::lora_linear treats the base weight as frozen; it has no gradient for it")
     if ctx.overwrite_input and need_x:
@@ -166,10 +173,32 @@ def _backward(ctx, grad_y, _grad_xa):
         dx, da, db = call(
             _lora_linear_backward_op, grad_y, x, xa, weight, lora_a, lora_b, ctx.scale, need_x, need_a, need_b
         )
-    return dx if need_x else None, None, da if need_a else None, db if need_b else None, None, None
+    return dx if need_x else None, da if need_a else None, db if need_b else None
 
 
 register_autograd(_lora_linear_op, _backward, _setup_context)
+
+
+class _UnreadSum(torch.autograd.Function):
+    """``residual + lora_linear(x, W, A, B, scale)`` when nothing reads the sum's values: only its
+    gradients are wanted (a checkpointed layer's recompute, whose output only carries the backward).
+
+    The forward keeps what the backward reads (x and ``xa = x A^T``) and skips the base product and
+    the add: it returns uninitialised memory. The backward is :func:`lora_linear`'s (same ops, same
+    values), with the sum's gradient passed to ``residual`` as well.
+    """
+
+    @staticmethod
+    def forward(ctx, residual, x, weight, lora_a, lora_b, scale, overwrite_input):
+        xa = x.reshape(-1, x.shape[-1]) @ lora_a.t()
+        ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
+        ctx.scale, ctx.overwrite_input = scale, overwrite_input
+        return torch.empty_like(residual)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, da, db = _input_grads(ctx, grad, ctx.needs_input_grad[1:5])
+        return grad if ctx.needs_input_grad[0] else None, dx, None, da, db, None, None
 
 
 def _forward_flops(
@@ -305,7 +334,9 @@ def _plain_parts(module: nn.Module) -> tuple[str, nn.Linear, nn.Module, nn.Modul
     return adapter, base, lora_a, lora_b
 
 
-def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = False) -> Tensor | None:
+def fused_lora_forward(
+    module: nn.Module, x: Tensor, *, overwrite_input: bool = False, unread_sum_with: Tensor | None = None
+) -> Tensor | None:
     """Forward of a PEFT ``peft.tuners.lora.Linear`` through :func:`lora_linear`, or None to fall back.
 
     Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
@@ -321,6 +352,9 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
         module: A ``peft.tuners.lora.Linear``.
         x: ``[..., in]`` input.
         overwrite_input: Passed to :func:`lora_linear` (x read by nothing else afterwards).
+        unread_sum_with: a residual ``[..., out]`` in the compute dtype: returns ``residual +
+            module(x)`` for a backward only, its values never computed (:class:`_UnreadSum`: the
+            base product is skipped). For a checkpoint's recompute, whose output nothing reads.
 
     Returns:
         ``[..., out]`` output, or None if the module is not in the plain case.
@@ -350,6 +384,11 @@ def fused_lora_forward(module: nn.Module, x: Tensor, *, overwrite_input: bool = 
     # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
     casts = getattr(_CASTS, "copies", None)
     tensors = [t if t.dtype == dtype else _cast(t, dtype, casts) for t in (x, weight, a, b)]
+    if unread_sum_with is not None:
+        residual = unread_sum_with
+        if residual.dtype != dtype or residual.shape != (*x.shape[:-1], weight.shape[0]):
+            return None
+        return _UnreadSum.apply(residual, *tensors, float(scale), overwrite_input)
     y, _ = call(_lora_linear_op, *tensors, float(scale), overwrite_input)
     return y
 

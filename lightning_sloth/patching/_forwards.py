@@ -15,9 +15,11 @@ forward (same code object) over a copy of its module namespace in which that one
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -171,7 +173,46 @@ def _pre_norm_layer(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = norm(hidden_states)
+    if getattr(_UNREAD, "output", False) and torch.is_grad_enabled():
+        return _gated_mlp_for_gradients(self.mlp, hidden_states, residual)
     return residual + self.mlp(hidden_states)
+
+
+_UNREAD = threading.local()  # .output: the decoder layers' outputs are unread (a recompute)
+
+
+@contextlib.contextmanager
+def layer_output_unread():
+    """Within the block, pre-norm decoder layers (:func:`pre_norm_decoder_forward`) run for their
+    gradients alone: nothing reads their output's values, as in a checkpoint's recompute, so the
+    fused LoRA ``down_proj`` skips its base product (``[tokens, I] x [I, hidden]``, the layer's
+    last) and the residual add; the backward is unchanged."""
+    previous = getattr(_UNREAD, "output", False)
+    _UNREAD.output = True
+    try:
+        yield
+    finally:
+        _UNREAD.output = previous
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def _gated_mlp_for_gradients(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + mlp(x)`` for a backward only (see :func:`layer_output_unread`)."""
+    activation = _GLU_ACTIVATIONS.get(getattr(mlp.__dict__.get("forward"), "__func__", None))
+    down = getattr(mlp, "down_proj", None)
+    if activation is None or _hooked(mlp) or patched_op(down) != "lora" or _hooked(down):
+        return residual + mlp(x)
+    act = activation(mlp.gate_proj(x), mlp.up_proj(x), inplace_backward=True)
+    out = fused_lora_forward(down, act, overwrite_input=True, unread_sum_with=residual)
+    return out if out is not None else residual + _project_fresh(down, act)
 
 
 # -------------------------------------------------------------------------------------- gated MLP
@@ -181,13 +222,7 @@ def _project_fresh(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     A fused LoRA layer (our forward installed, no hooks on it) then writes x's gradient into x's
     memory in the backward; anything else is simply called.
     """
-    hooked = (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks
-    )
-    if patched_op(module) == "lora" and not hooked and torch.is_grad_enabled():
+    if patched_op(module) == "lora" and not _hooked(module) and torch.is_grad_enabled():
         out = fused_lora_forward(module, x, overwrite_input=True)
         if out is not None:
             return out
@@ -212,6 +247,8 @@ def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     as in :func:`swiglu_mlp_forward`)."""
     return _project_fresh(self.down_proj, geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
+
+_GLU_ACTIVATIONS: dict[Callable, Callable] = {swiglu_mlp_forward: swiglu, geglu_mlp_forward: geglu}
 
 GLU_FORWARDS: dict[str, Callable] = {
     "silu": swiglu_mlp_forward,

@@ -1,0 +1,78 @@
+"""The node checkpoint's recompute skips what only the layer output's values need: the fused LoRA
+``down_proj``'s base product and the residual add (``skip_unread_output``, on by default). Losses
+and gradients are bitwise those of the full recompute; one LoRA forward product per layer fewer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_sloth.data import PackedCollator
+from lightning_sloth.ops.lora import _UnreadSum, lora_linear
+from lightning_sloth.plugins.strategy import transform_model
+
+
+class _CountLoraForwards(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.sloth.lora_linear.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(make, skip: bool, **settings):
+    docs = random_documents([7, 3, 12, 5, 9], seed=1)
+    batch = PackedCollator(64, 0, pad_to="max_tokens")([(d, d) for d in docs])
+    model = add_lora(make(seed=0)).train()
+    report = transform_model(model, **settings)
+    report.checkpointing.skip_unread_output = skip
+    counter = _CountLoraForwards()
+    with counter:
+        loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads, counter.count
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_recompute_skips_the_last_product_with_the_same_gradients(make):
+    loss_full, grads_full, calls_full = _step(make, skip=False, kernels=True)
+    loss, grads, calls = _step(make, skip=True, kernels=True)
+    layers = 2
+    assert calls_full == 2 * 7 * layers  # forward and recompute, seven projections per layer
+    assert calls == calls_full - layers  # down_proj's recompute takes the gradient-only path
+    assert torch.equal(loss, loss_full)
+    assert grads.keys() == grads_full.keys()
+    for name, g in grads_full.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_without_the_fused_mlp_the_recompute_is_unchanged():
+    kernels = {"glu": False}  # the MLP keeps transformers' forward: nothing to skip
+    _, grads_full, calls_full = _step(tiny_llama, skip=False, kernels=kernels)
+    _, grads, calls = _step(tiny_llama, skip=True, kernels=kernels)
+    assert calls == calls_full
+    for name, g in grads_full.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_unread_sum_has_the_gradients_of_residual_plus_lora_linear():
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    residual, x, a, b = leaf(2, 5, 6), leaf(2, 5, 12), leaf(4, 12), leaf(6, 4)
+    weight = torch.randn(6, 12, generator=gen, dtype=torch.float64)
+    grad = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(residual + lora_linear(x, weight, a, b, 0.5), (residual, x, a, b), grad)
+    out = _UnreadSum.apply(residual, x, weight, a, b, 0.5, False)
+    assert out.shape == residual.shape
+    got = torch.autograd.grad(out, (residual, x, a, b), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
