@@ -25,7 +25,7 @@ class _CountLoraForwards(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(make, skip: bool, **settings):
+def _step(make, skip: bool, autocast: bool = False, **settings):
     docs = random_documents([7, 3, 12, 5, 9], seed=1)
     batch = PackedCollator(64, 0, pad_to="max_tokens")([(d, d) for d in docs])
     model = add_lora(make(seed=0)).train()
@@ -33,7 +33,8 @@ def _step(make, skip: bool, **settings):
     report.checkpointing.skip_unread_output = skip
     counter = _CountLoraForwards()
     with counter:
-        loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch.model_inputs(), labels=batch.labels).loss
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return loss.detach(), grads, counter.count
@@ -48,6 +49,16 @@ def test_recompute_skips_the_last_product_with_the_same_gradients(make):
     assert calls == calls_full - layers  # down_proj's recompute takes the gradient-only path
     assert torch.equal(loss, loss_full)
     assert grads.keys() == grads_full.keys()
+    for name, g in grads_full.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_a_float32_residual_stream_under_bf16_autocast():
+    # The sum promotes to float32 and the LoRA product's gradient comes back in bf16, as autograd's add.
+    loss_full, grads_full, calls_full = _step(tiny_qwen3, skip=False, autocast=True, kernels=True)
+    loss, grads, calls = _step(tiny_qwen3, skip=True, autocast=True, kernels=True)
+    assert calls == calls_full - 2
+    assert torch.equal(loss, loss_full)
     for name, g in grads_full.items():
         assert torch.equal(grads[name], g), name
 

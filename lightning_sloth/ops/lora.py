@@ -193,11 +193,14 @@ class _UnreadSum(torch.autograd.Function):
         xa = x.reshape(-1, x.shape[-1]) @ lora_a.t()
         ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
         ctx.scale, ctx.overwrite_input = scale, overwrite_input
-        return torch.empty_like(residual)
+        # The sum's dtype, as ``residual + y`` promotes (a float32 residual stream under autocast).
+        return residual.new_empty(residual.shape, dtype=torch.promote_types(residual.dtype, x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        dx, da, db = _input_grads(ctx, grad, ctx.needs_input_grad[1:5])
+        # y's gradient in y's dtype, as autograd casts the promoted add's gradient for it.
+        grad_y = grad if grad.dtype == ctx.saved_tensors[0].dtype else grad.to(ctx.saved_tensors[0].dtype)
+        dx, da, db = _input_grads(ctx, grad_y, ctx.needs_input_grad[1:5])
         return grad if ctx.needs_input_grad[0] else None, dx, None, da, db, None, None
 
 
@@ -381,13 +384,15 @@ def fused_lora_forward(
             f"{x.device}, {weight.device}, {a.device}, {b.device}"
         )
     scale = module.__dict__["scaling"][adapter] if "scaling" in module.__dict__ else module.scaling[adapter]
+    residual = unread_sum_with
+    if residual is not None and (
+        residual.shape != (*x.shape[:-1], weight.shape[0]) or not residual.is_floating_point()
+    ):
+        return None
     # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
     casts = getattr(_CASTS, "copies", None)
     tensors = [t if t.dtype == dtype else _cast(t, dtype, casts) for t in (x, weight, a, b)]
-    if unread_sum_with is not None:
-        residual = unread_sum_with
-        if residual.dtype != dtype or residual.shape != (*x.shape[:-1], weight.shape[0]):
-            return None
+    if residual is not None:
         return _UnreadSum.apply(residual, *tensors, float(scale), overwrite_input)
     y, _ = call(_lora_linear_op, *tensors, float(scale), overwrite_input)
     return y
