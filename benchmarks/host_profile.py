@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         micro_batches, num_items = stage_batch(micro_batches, targets)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        forward_backward(model, micro_batches, num_items)
+        forward_backward(model, micro_batches, num_items, targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         host = time.perf_counter() - start

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         # "apply ... returned NULL without setting an exception"), so the recorded step recomputes
         # whole layers; the recomputed tail's outputs are freed at once.
         with torch.utils.checkpoint.set_checkpoint_early_stop(not record):
-            forward_backward(model, micro_batches, num_items)
+            forward_backward(model, micro_batches, num_items, targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

@@ -101,7 +101,7 @@ def _fits(model, workload: bench.Workload, tokens: int) -> dict:
     try:
         micro, _, _, targets = next(bench._packed_batches(one, samples, 0))
         micro, num_items = bench.stage_batch(micro, targets)
-        bench.forward_backward(model, micro, num_items)
+        bench.forward_backward(model, micro, num_items, targets)
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         fits = True

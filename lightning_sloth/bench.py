@@ -365,12 +365,26 @@ def stage_batch(micro_batches: list[dict], targets: int) -> tuple[list[dict], to
     return [_to_cuda(m) for m in micro_batches], torch.tensor(targets, device="cuda")
 
 
-def forward_backward(model, micro_batches: list[dict], num_items: torch.Tensor) -> torch.Tensor:
-    """Forward and backward of every micro-batch under bf16 autocast; the summed loss, detached."""
+def loss_kwargs(model, micro_batches: list[dict], targets: int | None) -> dict:
+    """``num_target_tokens`` for lightning_sloth's fused loss on a one-row step (its target count is
+    the step's; the fused loss then computes logits only for target rows); nothing for the others."""
+    from lightning_sloth.patching._forwards import takes_target_count
+
+    if targets is None or len(micro_batches) != 1 or not takes_target_count(model):
+        return {}
+    return {"num_target_tokens": int(targets)}
+
+
+def forward_backward(
+    model, micro_batches: list[dict], num_items: torch.Tensor, targets: int | None = None
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch under bf16 autocast; the summed loss, detached.
+    ``targets``: the step's target count (host int), for :func:`loss_kwargs`."""
     loss = torch.zeros((), device="cuda")
+    extra = loss_kwargs(model, micro_batches, targets)
     for inputs in micro_batches:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            micro_loss = model(**inputs, num_items_in_batch=num_items).loss
+            micro_loss = model(**inputs, num_items_in_batch=num_items, **extra).loss
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss
@@ -410,7 +424,7 @@ def run_system(
             warmup_peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss = forward_backward(model, micro_batches, num_items)
+        loss = forward_backward(model, micro_batches, num_items, targets)
         if step == steps - 1:
             grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
             grad_norm = float(torch.stack(grads).norm())

@@ -211,11 +211,12 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     warmup_peak = replay = None
     steps = workload.warmup_steps + workload.timed_steps
 
-    def forward_backward(micro, num_items):
+    def forward_backward(micro, num_items, targets):
         loss = torch.zeros((), device=device)
+        extra = bench.loss_kwargs(model, micro, targets)
         for inputs in micro:
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                micro_loss = model(**inputs, num_items_in_batch=num_items).loss
+                micro_loss = model(**inputs, num_items_in_batch=num_items, **extra).loss
             micro_loss.backward()
             loss += micro_loss.detach()
         return loss
@@ -228,9 +229,9 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
         _sync(device)
         if step == workload.warmup_steps:  # the timed steps' own peak, warm-up excluded
             warmup_peak = _reset_peaks(device)
-            replay = (micro, num_items)
+            replay = (micro, num_items, targets)
         begin = time.perf_counter()
-        loss = forward_backward(micro, num_items)
+        loss = forward_backward(micro, num_items, targets)
         _sync(device)
         elapsed = time.perf_counter() - begin
         if step == steps - 1:  # outside the timed interval

@@ -2,6 +2,7 @@
 checkpoint (loaded in a process where lightning_sloth cannot be imported), the export callback,
 and ``lightning-sloth-generate``."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -286,6 +287,21 @@ def test_save_merged_takes_a_bitsandbytes_loaded_model(tmp_path):
     )
     model = add_lora(loaded)
     ids = [[5, 9, 17, 3, 99, 42, 7]]
-    expected = logits_of(model, ids)  # bitsandbytes' own 4-bit forward
+    # The reference: the same model with each 4-bit layer a float32 linear over bitsandbytes' own
+    # dequantisation (its CPU 4-bit forward may run another precision, depending on the processor).
+    import bitsandbytes as bnb
+
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias.float())
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, linear)
+    expected = logits_of(reference, ids)
     got = _saved_logits(model, tmp_path, ids)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))

@@ -197,6 +197,7 @@ def _peft_layer(dtype=torch.float32, bias=False, **config):
 
 
 def test_fused_lora_forward_matches_peft_module():
+    torch.manual_seed(0)
     layer = _peft_layer(use_rslora=True)
     x = torch.randn(2, 9, IN)
     x_peft, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -213,8 +214,10 @@ def test_fused_lora_forward_matches_peft_module():
     got.backward(grad_y)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x_fused.grad, x_peft.grad, rtol=1e-5, atol=1e-5)
+    # PEFT scales the product, the op an operand (rsLoRA's scale is no power of two): float32
+    # rounding apart, relative to the gradient's size.
     for p, g in zip((layer.lora_A["default"].weight, layer.lora_B["default"].weight), expected_grads):
-        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5 * g.abs().max().item())
     assert layer.base_layer.weight.grad is None
 
 

@@ -148,7 +148,8 @@ def pre_norm_decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args
         return type(self).forward(self, hidden_states, *args, **kwargs)
     if self.gradient_checkpointing and self.training and _checkpoints_in_forward(self):
         kwargs["use_cache"] = False
-        kwargs["past_key_values"] = None
+        kwargs.pop("past_key_values", None)  # the cache argument's names before and after 5.24
+        kwargs.pop("cache", None)
         return self._gradient_checkpointing_func(
             functools.partial(_pre_norm_layer, self, **kwargs), hidden_states
         )
@@ -287,10 +288,45 @@ def rope_attention_forward(cls: type[nn.Module], layout: RopeLayout) -> Callable
 
 
 def _rebuild_with_rope(forward: Any, layout: RopeLayout) -> Callable | None:
+    # Decorators that keep the function in a closure (transformers >= 5.24 wraps attention forwards
+    # in ``deprecate_kwarg``) are rebuilt around the rebuilt function, each over a new cell.
+    wrappers = []
+    while hasattr(forward, "__wrapped__"):
+        wrappers.append(forward)
+        forward = forward.__wrapped__
+    rebuilt = _rebuild_plain_with_rope(forward, layout)
+    for wrapper in reversed(wrappers):
+        if rebuilt is None:
+            return None
+        rebuilt = _rewrap(wrapper, wrapper.__wrapped__, rebuilt)
+    return None if rebuilt is None else _op_forward("rope")(rebuilt)
+
+
+def _rewrap(wrapper: Any, original: Any, replacement: Callable) -> Callable | None:
+    """``wrapper`` rebuilt so that it calls ``replacement`` where it called ``original`` (found in
+    its closure), or None when it holds ``original`` some other way."""
+    cells = getattr(wrapper, "__closure__", None) or ()
+    if not isinstance(wrapper, types.FunctionType) or not any(_holds(c, original) for c in cells):
+        return None
+    closure = tuple(types.CellType(replacement) if _holds(c, original) else c for c in cells)
+    code = wrapper.__code__
+    rebuilt = types.FunctionType(code, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, closure)
+    rebuilt.__kwdefaults__ = wrapper.__kwdefaults__
+    functools.update_wrapper(rebuilt, replacement, updated=())
+    return rebuilt
+
+
+def _holds(cell: types.CellType, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _rebuild_plain_with_rope(forward: Any, layout: RopeLayout) -> Callable | None:
     code = getattr(forward, "__code__", None)
     if (
         not isinstance(forward, types.FunctionType)
-        or hasattr(forward, "__wrapped__")
         or "apply_rotary_pos_emb" not in code.co_names
         or "apply_rotary_pos_emb" not in forward.__globals__
     ):
@@ -304,7 +340,7 @@ def _rebuild_with_rope(forward: Any, layout: RopeLayout) -> Callable | None:
     rebuilt.__kwdefaults__ = forward.__kwdefaults__
     functools.update_wrapper(rebuilt, forward, updated=())
     del rebuilt.__wrapped__  # introspection should see the rebuilt function, not the class's
-    return _op_forward("rope")(rebuilt)
+    return rebuilt
 
 
 # ------------------------------------------------------------------------------------------- loss
@@ -322,6 +358,42 @@ def _fusable(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | Non
     return None
 
 
+def takes_target_count(model: nn.Module) -> bool:
+    """Whether the transformers model inside ``model`` (plain or PEFT-wrapped) computes its loss with
+    the fused forward, which takes ``num_target_tokens`` (:func:`causal_lm_forward`)."""
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return hf is not None and patched_op(hf) == "cross_entropy"
+
+
+def target_rows(
+    hidden: torch.Tensor, targets: torch.Tensor, count: int, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` rows of ``hidden`` ``[..., H]`` whose target is not ``ignore_index``, with their
+    targets (in position order): the loss needs no logits for the others, whose gradient is zero.
+
+    ``count`` is a host int (``PackedBatch.num_target_tokens``), so nothing reads device memory: the
+    rows come from a stable sort of the ignore mask. A ``count`` above the true number keeps some
+    ignored rows (no effect on the loss); one below it would drop targets, which a device-side
+    assert refuses (the next row in the order must be an ignored one).
+    """
+    flat_targets = targets.reshape(-1)
+    rows = flat_targets.numel()
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise TypeError(f"num_target_tokens must be a non-negative Python int, got {count!r}")
+    if count >= rows:
+        return hidden, targets
+    order = torch.sort((flat_targets == ignore_index).to(torch.uint8), stable=True).indices
+    # Every target row sorts first; the row after the kept ones must be an ignored one.
+    torch._assert_async(
+        flat_targets[order[count]] == ignore_index,
+        "num_target_tokens is below the number of targets (labels other than ignore_index after the shift)",
+    )
+    keep = order[:count]
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep), flat_targets.index_select(0, keep)
+
+
 @functools.cache
 def causal_lm_forward(family: Family) -> Callable:
     """CausalLM forward that computes the loss with ``linear_cross_entropy`` when labels are given.
@@ -331,11 +403,15 @@ def causal_lm_forward(family: Family) -> Callable:
     ``logits`` is None. ``num_items_in_batch``, ``ignore_index``, ``shift_labels``, Gemma's
     ``final_logit_softcapping`` and the MoE router loss keep their transformers meaning. Without
     labels, or in a case it does not handle, the class's forward runs.
+
+    ``num_target_tokens`` (a host int: the targets after the shift, ``PackedBatch.num_target_tokens``)
+    computes logits only for the rows that carry a loss (:func:`target_rows`); the per-row values
+    are the same, the product smaller by the share of prompt and boundary positions.
     """
     load_balancing_loss = family.modeling().load_balancing_loss_func if family.moe else None
 
     @_op_forward("cross_entropy")
-    def forward(self: nn.Module, input_ids=None, *args, labels=None, **kwargs):
+    def forward(self: nn.Module, input_ids=None, *args, labels=None, num_target_tokens=None, **kwargs):
         if labels is None or (reason := _fusable(self, args, kwargs)) is not None:
             if labels is not None:
                 _log_once(f"fused cross-entropy: {reason}; {type(self).__name__} computes full logits")
@@ -351,10 +427,13 @@ def causal_lm_forward(family: Family) -> Callable:
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
         targets = kwargs.get("shift_labels")
         targets = shift_labels(labels, ignore_index) if targets is None else targets
+        targets = targets.to(hidden.device)
+        if num_target_tokens is not None:
+            hidden, targets = target_rows(hidden, targets, num_target_tokens, ignore_index)
         loss = linear_cross_entropy(
             hidden,
             self.lm_head.weight,
-            targets.to(hidden.device),
+            targets,
             bias=self.lm_head.bias,
             ignore_index=ignore_index,
             softcap=getattr(self.config, "final_logit_softcapping", None),

@@ -8,6 +8,7 @@ Run on the GPU machine with ``pytest -m gpu tests/gpu/test_cuda_graphs_gpu.py``.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -170,3 +171,95 @@ def test_dropout_is_refused():
     model = add_lora(tiny_llama(seed=0, attention_dropout=0.1)).to("cuda")
     with pytest.raises(ValueError, match="attention_dropout"):
         transform_model(model, kernels=True, cuda_graphs=True)
+
+
+def _fit_with_trainer(tmp_path, cuda_graphs: bool, max_steps: int, ckpt_path=None):
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
+    from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
+
+    class Losses(Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    seed_everything(0)
+    tokenizer = build_char_tokenizer()
+    datamodule = PackedDataModule(
+        tokenizer,
+        train=SyntheticTask(96, seed=1),
+        val=SyntheticTask(16, seed=2),
+        max_tokens=512,
+        pad_to="max_tokens",
+        segments_bucket="pow2",
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    module = CausalLMModule(
+        LlamaForCausalLM(config), lora=LoraSettings(r=8), optimizer=OptimizerSettings(lr=1e-3)
+    )
+    losses = Losses()
+    strategy = SlothStrategy(kernels=True, cuda_graphs=cuda_graphs)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        plugins=[SlothPrecision("bf16-mixed")],
+        max_steps=max_steps,
+        val_check_interval=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[losses],
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return trainer, losses.losses, strategy.sloth_report.checkpointing.graphs
+
+
+def test_trainer_with_cuda_graphs_trains_like_eager_and_resumes(tmp_path):
+    _, want, _ = _fit_with_trainer(tmp_path / "eager", cuda_graphs=False, max_steps=6)
+    trainer, got, graphs = _fit_with_trainer(tmp_path / "graphs", cuda_graphs=True, max_steps=6)
+    assert len(got) == len(want) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-2)
+    assert graphs.replays > 0 and graphs.captures > 0  # validation ran in between, eagerly
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    last = trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
+    resumed, more, graphs = _fit_with_trainer(
+        tmp_path / "graphs", cuda_graphs=True, max_steps=8, ckpt_path=last
+    )
+    assert resumed.global_step == 8 and len(more) == 2 and all(map(math.isfinite, more))
+
+
+def test_loss_on_target_rows_matches_and_never_syncs():
+    """The fused loss given ``num_target_tokens`` (logits for target rows only): the loss and
+    gradients of the whole-row loss, and no device sync (the rows come from a sort on the GPU)."""
+    batch = _batches(1, seed=7)[0].to("cuda")
+    results = []
+    for rows in (None, batch.num_target_tokens):
+        model = _model("llama", torch.bfloat16)
+        transform_model(model, kernels=True)
+        extra = {} if rows is None else {"num_target_tokens": rows}
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error" if rows is not None else previous)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**batch.model_inputs(), labels=batch.labels, **extra).loss
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    (want_loss, want), (loss, got) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=1e-3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=1e-3)
