@@ -385,9 +385,10 @@ def target_rows(
     if count >= rows:
         return hidden, targets
     order = torch.sort((flat_targets == ignore_index).to(torch.uint8), stable=True).indices
-    # Every target row sorts first; the row after the kept ones must be an ignored one.
+    # Every target row sorts first; the row after the kept ones must be an ignored one. (A 1-element
+    # index_select, not ``[order[count]]``: a 0-d index tensor is read on the host.)
     torch._assert_async(
-        flat_targets[order[count]] == ignore_index,
+        flat_targets.index_select(0, order.narrow(0, count, 1)) == ignore_index,
         "num_target_tokens is below the number of targets (labels other than ignore_index after the shift)",
     )
     keep = order[:count]
