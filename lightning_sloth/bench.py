@@ -370,7 +370,9 @@ def loss_kwargs(model, micro_batches: list[dict], targets: int | None) -> dict:
     the step's; the fused loss then computes logits only for target rows); nothing for the others."""
     from lightning_sloth.patching._forwards import takes_target_count
 
-    if targets is None or len(micro_batches) != 1 or not takes_target_count(model):
+    if targets is None or len(micro_batches) != 1 or getattr(model, "_sloth_loss_all_rows", False):
+        return {}
+    if not takes_target_count(model):
         return {}
     return {"num_target_tokens": int(targets)}
 

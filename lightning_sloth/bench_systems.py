@@ -38,6 +38,10 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      itself (``group_adapter_casts=False``).
     sloth_kernels_kept_embedding     the default, but the first layer's node keeps the embedding's
                                      output (``rebuild_embedding=False``).
+    sloth_kernels_full_recompute     the default, but the recompute runs each layer's last product
+                                     too (``skip_unread_output=False``).
+    sloth_kernels_loss_all_rows      the default, but the fused loss computes logits for every row
+                                     (no ``num_target_tokens``).
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -209,6 +213,17 @@ def _checkpointing_set(setup: Callable, **attributes) -> Callable:
     return wrapped
 
 
+def _loss_on_all_rows(setup: Callable) -> Callable:
+    """``setup``, the fused loss then given no target count: logits for every row, as before."""
+
+    def wrapped(workload: Workload):
+        model = setup(workload)
+        model._sloth_loss_all_rows = True  # read by bench.loss_kwargs
+        return model
+
+    return wrapped
+
+
 def _kv_repeated(setup: Callable) -> Callable:
     """``setup`` with GQA's K/V heads copied before the varlen kernel (the switched-off default)."""
 
@@ -346,6 +361,16 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_per_call_casts": SuiteSystem(
         "lightning_sloth, adapters cast by every LoRA call",
         _checkpointing_set(bench._sloth(kernels=True), group_adapter_casts=False),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_full_recompute": SuiteSystem(
+        "lightning_sloth, the recompute runs the layer's last product too",
+        _checkpointing_set(bench._sloth(kernels=True), skip_unread_output=False),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_loss_all_rows": SuiteSystem(
+        "lightning_sloth, the loss's logits for every row",
+        _loss_on_all_rows(bench._sloth(kernels=True)),
         bench._packed_batches,
     ),
     "sloth_kernels_kept_embedding": SuiteSystem(

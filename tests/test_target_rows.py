@@ -75,3 +75,19 @@ def test_the_module_passes_the_count_only_to_the_fused_loss():
     assert torch.isfinite(loss)
     assert torch.isfinite(patched.training_step(batch, 0))
     assert patched.state_dict().keys() == plain.state_dict().keys()  # the cache adds no entry
+
+
+def test_the_bench_passes_the_count_to_one_row_steps_of_the_fused_loss():
+    from lightning_sloth import bench
+    from lightning_sloth.bench_systems import SUITE_SYSTEMS
+
+    patched = add_lora(tiny_llama(seed=0))
+    transform_model(patched, kernels=True)
+    one = [{"input_ids": None}]
+    assert bench.loss_kwargs(patched, one, 37) == {"num_target_tokens": 37}
+    assert bench.loss_kwargs(patched, one * 2, 37) == {}  # the count is the step's, not a row's
+    assert bench.loss_kwargs(patched, one, None) == {}
+    assert bench.loss_kwargs(add_lora(tiny_llama(seed=0)), one, 37) == {}  # transformers' own loss
+    patched._sloth_loss_all_rows = True  # the ablation system's switch
+    assert bench.loss_kwargs(patched, one, 37) == {}
+    assert {"sloth_kernels_loss_all_rows", "sloth_kernels_full_recompute"} <= set(SUITE_SYSTEMS)
