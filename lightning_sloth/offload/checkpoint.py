@@ -19,7 +19,13 @@ Two more savings, each with a switch on the controller: the node of the layer fe
 plain input embedding keeps the token ids and looks the embedding up again in its backward
 (``rebuild_embedding``; one ``[tokens, hidden]`` tensor less held through the step), and each
 layer's fused LoRA layers take their adapters from one grouped cast per pass under autocast
-(``group_adapter_casts``; see :func:`lightning_sloth.ops.lora.adapter_casts`).
+(``group_adapter_casts``; see :func:`lightning_sloth.ops.lora.adapter_casts`). The node's recompute
+skips what only the layer output's values need, the fused LoRA ``down_proj``'s base product and
+the residual add (``skip_unread_output``; see
+:func:`lightning_sloth.patching._forwards.layer_output_unread`).
+
+With ``cuda_graphs=True`` each node-checkpointed layer replays its forward and its recompute +
+backward as CUDA graphs (:mod:`lightning_sloth.offload.graphs`).
 """
 
 from __future__ import annotations

@@ -115,16 +115,17 @@ class _Static:
         self.inputs = [torch.empty_like(a, memory_format=torch.contiguous_format) for a in args]
         self.keywords = [torch.empty_like(k) for k in keywords]
         shape, dtype = output
-        self.output = torch.empty(shape, dtype=dtype, device=args[0].device)
-        self.grad_output = torch.empty_like(self.output)
+        # One input of the output's layout: the forward writes its output into the input buffer
+        # and the backward its input gradient into the output-gradient buffer, so consecutive
+        # layers find what they read already in place (and no separate output buffer is needed).
+        self.chained = len(args) == 1 and (tuple(args[0].shape), args[0].dtype) == (shape, dtype)
+        device = args[0].device
+        self.output = None if self.chained else torch.empty(shape, dtype=dtype, device=device)
+        self.grad_output = torch.empty(shape, dtype=dtype, device=device)
         # Which tensor's values each buffer holds now (with its version), to skip a copy.
         self.input_holds: list[tuple[Tensor, int] | None] = [None] * len(args)
         self.keyword_holds: list[tuple[Tensor, int] | None] = [None] * len(keywords)
         self.grad_holds: tuple[Tensor, int] | None = None
-        # One input of the output's layout: the forward writes its output into the input buffer
-        # and the backward its input gradient into the output-gradient buffer, so consecutive
-        # layers find what they read already in place.
-        self.chained = len(args) == 1 and (tuple(args[0].shape), args[0].dtype) == (shape, dtype)
 
     @staticmethod
     def _load(buffers: list[Tensor], holds: list, sources: list[Tensor]) -> None:
