@@ -38,6 +38,9 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      itself (``group_adapter_casts=False``).
     sloth_kernels_kept_embedding     the default, but the first layer's node keeps the embedding's
                                      output (``rebuild_embedding=False``).
+    sloth_kernels_grouped            the default + q/k/v and gate/up LoRA layers as one node each
+                                     (``group_projections=True``); ``sloth_kernels_offload_grouped``
+                                     with offload.
     sloth_kernels_full_recompute     the default, but the recompute runs each layer's last product
                                      too (``skip_unread_output=False``).
     sloth_kernels_loss_all_rows      the default, but the fused loss computes logits for every row
@@ -361,6 +364,16 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_per_call_casts": SuiteSystem(
         "lightning_sloth, adapters cast by every LoRA call",
         _checkpointing_set(bench._sloth(kernels=True), group_adapter_casts=False),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_grouped": SuiteSystem(
+        "lightning_sloth + LoRA layers sharing an input as one node (group_projections)",
+        _checkpointing_set(bench._sloth(kernels=True), group_projections=True),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_offload_grouped": SuiteSystem(
+        "lightning_sloth + offload + LoRA layers sharing an input as one node",
+        _checkpointing_set(bench._sloth(kernels=True, offload="on"), group_projections=True),
         bench._packed_batches,
     ),
     "sloth_kernels_full_recompute": SuiteSystem(

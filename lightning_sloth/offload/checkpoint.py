@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
-from lightning_sloth.ops.lora import adapter_casts
+from lightning_sloth.ops.lora import adapter_casts, grouped_projections, shared_input_groups
 from lightning_sloth.patching._forwards import layer_output_unread
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,11 @@ class CheckpointedLayers:
         self.group_adapter_casts = True
         """Each layer's fused LoRA layers take their adapters from one grouped cast per pass
         (:func:`lightning_sloth.ops.lora.adapter_casts`); ``False``: two casts per call, as before."""
+        self._groups = [shared_input_groups(layer) for layer in self.layers]
+        self.group_projections = False
+        """Opt-in: each layer's LoRA layers that read one input (q/k/v, gate/up) compute as one node
+        that reads x once for their ``x A^T`` and ``dA`` and accumulates ``dx`` in the products'
+        epilogues (:func:`lightning_sloth.ops.lora.grouped_projections`); not measured on a GPU yet."""
         self.skip_unread_output = True
         """The node's recompute skips what only the layer output's values need (the fused LoRA
         ``down_proj``'s base product and the residual add: see
@@ -340,8 +345,11 @@ class CheckpointedLayers:
             self._measure(index, forward, args)
         if self._compiled is not None:
             forward = partial(self._compiled, forward)
-        elif self.group_adapter_casts and self._adapters[index]:
-            forward = partial(_with_adapter_casts, forward, self._adapters[index])
+        else:
+            if self.group_projections and self._groups[index]:
+                forward = partial(_with_groups, forward, self._groups[index])
+            if self.group_adapter_casts and self._adapters[index]:
+                forward = partial(_with_adapter_casts, forward, self._adapters[index])
         mode = self.plan[index] if torch.is_grad_enabled() else "keep"
         if mode == "keep":
             return forward(*args)
@@ -485,6 +493,11 @@ def _same(tensor: Tensor) -> Tensor:
 
 def _call_layer(forward, *args: Any) -> Any:
     return forward(*args)
+
+
+def _with_groups(forward, groups: list[list[nn.Module]], *args: Any) -> Any:
+    with grouped_projections(groups):
+        return forward(*args)
 
 
 def _with_adapter_casts(forward, modules: list[nn.Module], *args: Any) -> Any:

@@ -223,8 +223,10 @@ class LayerGraphs:
                 values.append(_meta(value))
             elif isinstance(value, (int, float, bool, str, type(None), torch.dtype)):
                 values.append(value)
-            elif isinstance(value, nn.Module) or callable(value):
+            elif isinstance(value, nn.Module):
                 values.append(type(value).__name__)
+            elif callable(value):  # a wrapper's name tells which passes run around the layer
+                values.append(getattr(value, "__qualname__", type(value).__name__))
             else:
                 return None
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST)

@@ -365,11 +365,31 @@ def fused_lora_forward(
     parts = _plain_parts(module)
     if parts is None:
         return None
+    resolved = _compute_parts(module, parts, x)
+    if resolved is None:
+        return None
+    dtype, weight, a, b, scale = resolved
+    residual = unread_sum_with
+    if residual is not None and (
+        residual.shape != (*x.shape[:-1], weight.shape[0]) or not residual.is_floating_point()
+    ):
+        return None
+    # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
+    casts = getattr(_CASTS, "copies", None)
+    tensors = [t if t.dtype == dtype else _cast(t, dtype, casts) for t in (x, weight, a, b)]
+    if residual is not None:
+        return _UnreadSum.apply(residual, *tensors, float(scale), overwrite_input)
+    y, _ = call(_lora_linear_op, *tensors, float(scale), overwrite_input)
+    return y
+
+
+def _compute_parts(module: nn.Module, parts: tuple, x: Tensor):
+    """``(dtype, W, A, B, scale)`` of a plain-case layer for input x (the compute dtype: autocast's,
+    else the weight's, which x must have), or None where the fused op does not apply."""
     adapter, base, lora_a, lora_b = parts
     weight = base._parameters.get("weight")
     if weight is None or not _plain_weight(weight) or weight.requires_grad:
         return None
-
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -384,18 +404,160 @@ def fused_lora_forward(
             f"{x.device}, {weight.device}, {a.device}, {b.device}"
         )
     scale = module.__dict__["scaling"][adapter] if "scaling" in module.__dict__ else module.scaling[adapter]
-    residual = unread_sum_with
-    if residual is not None and (
-        residual.shape != (*x.shape[:-1], weight.shape[0]) or not residual.is_floating_point()
-    ):
-        return None
-    # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
-    casts = getattr(_CASTS, "copies", None)
-    tensors = [t if t.dtype == dtype else _cast(t, dtype, casts) for t in (x, weight, a, b)]
-    if residual is not None:
-        return _UnreadSum.apply(residual, *tensors, float(scale), overwrite_input)
-    y, _ = call(_lora_linear_op, *tensors, float(scale), overwrite_input)
-    return y
+    return dtype, weight, a, b, scale
+
+
+# ------------------------------------------------------------------ LoRA layers sharing an input
+class _SharedInputLora(torch.autograd.Function):
+    """LoRA layers that read one input x (q/k/v, gate/up) as one node:
+    ``y_i = x W_i^T + s_i (x A_i^T) B_i^T``.
+
+    The forward reads x once for all ``x A_i^T`` (one product with the stacked A's); the backward
+    reads it once for all ``dA_i`` and accumulates ``dx = sum_i dy_i W_i + sum_i s_i (dy_i B_i) A_i``
+    in the products' epilogues (``addmm_``) instead of adding separate ``[N, in]`` gradients. The
+    per-layer products are those of :func:`lora_linear`; ``dx`` is summed in the products'
+    float32 accumulators rather than rounded per layer first.
+    """
+
+    @staticmethod
+    def forward(ctx, x, scales, *tensors):
+        n = len(scales)
+        weights, adapters_a, adapters_b = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        rows = x.reshape(-1, x.shape[-1])
+        xa = rows @ torch.cat(adapters_a).t()  # [N, sum r]
+        outputs, start = [], 0
+        for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
+            part = xa[:, start : start + a.shape[0]]
+            start += a.shape[0]
+            outputs.append((rows @ w.t()).addmm_(part, b.t(), alpha=scale).view(*x.shape[:-1], w.shape[0]))
+        ctx.save_for_backward(x, xa, *tensors)
+        ctx.scales = scales
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, xa, *tensors = ctx.saved_tensors
+        scales = ctx.scales
+        n = len(scales)
+        weights, adapters_a, adapters_b = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
+        needs = ctx.needs_input_grad
+        need_x = needs[0]
+        rows = x.reshape(-1, x.shape[-1])
+        d_a: list[Tensor | None] = [None] * n
+        d_b: list[Tensor | None] = [None] * n
+        dx = None
+        # One power-of-two scale for all (PEFT's usual case): applied as the products' alpha.
+        uniform = all(_exact_alpha(scale) and scale == scales[0] for scale in scales)
+        gs, a_rows, offsets, start = [], [], [], 0
+        for i, (w, a, b, scale) in enumerate(zip(weights, adapters_a, adapters_b, scales)):
+            r = a.shape[0]
+            part = xa[:, start : start + r]
+            start += r
+            if grads[i] is None:
+                continue
+            dy = grads[i].reshape(-1, grads[i].shape[-1])
+            if needs[2 + 2 * n + i]:
+                d_b[i] = (
+                    _scaled_mm(dy.t(), part, scale, b) if _exact_alpha(scale) else dy.t() @ (part * scale)
+                )
+            if need_x or needs[2 + n + i]:
+                g = dy @ b
+                gs.append(g if uniform else g * scale)
+                a_rows.append(a)
+                offsets.append(i)
+            if need_x:
+                dx = dy @ w if dx is None else dx.addmm_(dy, w)
+        if gs:
+            alpha = scales[0] if uniform else 1.0
+            g_all = torch.cat(gs, dim=1) if len(gs) > 1 else gs[0]
+            a_all = torch.cat(a_rows) if len(a_rows) > 1 else a_rows[0]
+            if any(needs[2 + n + i] for i in offsets):
+                d_a_all = _scaled_mm(g_all.t(), rows, alpha, a_all)
+                for i, part in zip(offsets, d_a_all.split([adapters_a[i].shape[0] for i in offsets])):
+                    if needs[2 + n + i]:
+                        d_a[i] = part
+            if need_x:
+                dx.addmm_(g_all, a_all, alpha=alpha)
+        return (dx.view(x.shape) if dx is not None else None, None, *([None] * n), *d_a, *d_b)
+
+
+_GROUPS = threading.local()  # .members: id(LoRA layer) -> its _Group while a block runs
+
+
+class _Group:
+    """LoRA layers that read one input in a block: the first to run computes all their outputs
+    (:class:`_SharedInputLora`) and keeps the others' for their own calls with the same x."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = list(modules)
+        self.pending: dict[int, Tensor] = {}
+        self.source: tuple[Tensor, int] | None = None
+
+    def output(self, module: nn.Module, x: Tensor) -> Tensor | None:
+        if self.source is not None and self.source[0] is x and self.source[1] == x._version:
+            out = self.pending.pop(id(module), None)
+            if not self.pending:
+                self.source = None
+            if out is not None:
+                return out
+        self.pending, self.source = {}, None
+        resolved = []
+        for m in self.modules:
+            parts = _plain_parts(m)
+            found = None if parts is None else _compute_parts(m, parts, x)
+            if found is None:
+                return None
+            resolved.append(found)
+        dtype = resolved[0][0]
+        if any(r[0] != dtype for r in resolved) or module not in self.modules:
+            return None
+        casts = getattr(_CASTS, "copies", None)
+        x_c = x if x.dtype == dtype else x.to(dtype)
+        weights = [w if w.dtype == dtype else _cast(w, dtype, casts) for _, w, _, _, _ in resolved]
+        adapters_a = [a if a.dtype == dtype else _cast(a, dtype, casts) for _, _, a, _, _ in resolved]
+        adapters_b = [b if b.dtype == dtype else _cast(b, dtype, casts) for _, _, _, b, _ in resolved]
+        scales = tuple(float(r[4]) for r in resolved)
+        outputs = _SharedInputLora.apply(x_c, scales, *weights, *adapters_a, *adapters_b)
+        self.pending = {id(m): y for m, y in zip(self.modules, outputs) if m is not module}
+        self.source = (x, x._version)
+        return outputs[self.modules.index(module)]
+
+
+def shared_input_groups(layer: nn.Module) -> list[list[nn.Module]]:
+    """The LoRA layers of a decoder layer that read one input: ``q_proj, k_proj, v_proj`` of each
+    attention and ``gate_proj, up_proj`` of each gated MLP, where all are PEFT LoRA layers."""
+    groups = []
+    for module in layer.modules():
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            members = [getattr(module, name, None) for name in names]
+            if all(isinstance(m, LoraLinear) for m in members):
+                groups.append(members)
+    return groups
+
+
+@contextlib.contextmanager
+def grouped_projections(groups: Sequence[Sequence[nn.Module]]) -> Iterator[None]:
+    """Within the block, the fused LoRA layers of each group (:func:`shared_input_groups`) compute
+    as one :class:`_SharedInputLora` node when called with one input (see
+    :func:`group_output`)."""
+    previous = getattr(_GROUPS, "members", None)
+    members = dict(previous or {})
+    for group in groups:
+        shared = _Group(group)
+        members.update({id(m): shared for m in group})
+    _GROUPS.members = members
+    try:
+        yield
+    finally:
+        _GROUPS.members = previous
+
+
+def group_output(module: nn.Module, x: Tensor) -> Tensor | None:
+    """``module(x)`` through its group (inside :func:`grouped_projections`), or None."""
+    members = getattr(_GROUPS, "members", None)
+    group = members.get(id(module)) if members else None
+    return None if group is None else group.output(module, x)
 
 
 # ----------------------------------------------------------------------- adapter casts, grouped

@@ -32,7 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
-from lightning_sloth.ops.lora import fused_lora_forward
+from lightning_sloth.ops.lora import fused_lora_forward, group_output
 from lightning_sloth.ops.rms_norm import add_rms_norm, rms_norm
 from lightning_sloth.ops.rope import apply_rope
 from lightning_sloth.patching.families import Family, NormStyle, RopeLayout
@@ -475,7 +475,9 @@ def lora_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -
     the fallback path only).
     """
     if not args and not kwargs:
-        out = fused_lora_forward(self, x)
+        out = group_output(self, x)  # inside a block that groups layers sharing an input
+        if out is None:
+            out = fused_lora_forward(self, x)
         if out is None:
             out = lora_4bit_forward(self, x)  # a 4-bit base (ours or bitsandbytes')
         if out is not None:

@@ -1,0 +1,90 @@
+"""LoRA layers that read one input (q/k/v, gate/up) as one node (opt-in ``group_projections``):
+x read once for all ``x A^T`` and ``dA``, ``dx`` accumulated in the products' epilogues; the same
+losses and gradients as the layers one by one, within float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
+
+from lightning_sloth.data import PackedCollator
+from lightning_sloth.ops import lora as lora_ops
+from lightning_sloth.ops.lora import _SharedInputLora, lora_linear
+from lightning_sloth.plugins.strategy import transform_model
+
+
+def _step(make, grouped: bool, autocast: bool = False):
+    docs = random_documents([7, 3, 12, 5, 9], seed=1)
+    batch = PackedCollator(64, 0, pad_to="max_tokens")([(d, d) for d in docs])
+    model = add_lora(make(seed=0)).train()
+    report = transform_model(model, kernels=True)
+    report.checkpointing.group_projections = grouped
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch.model_inputs(), labels=batch.labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_grouped_projections_train_like_the_layers_one_by_one(make, monkeypatch):
+    calls = []
+    apply = _SharedInputLora.apply
+    monkeypatch.setattr(_SharedInputLora, "apply", lambda *a: calls.append(len(a[1])) or apply(*a))
+    want_loss, want = _step(make, grouped=False)
+    assert calls == []
+    loss, got = _step(make, grouped=True)
+    # two layers, forward and recompute, a q/k/v and a gate/up group each
+    assert sorted(calls) == [2] * 4 + [3] * 4
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(), msg=name)
+
+
+def test_grouped_projections_under_bf16_autocast_with_float32_adapters():
+    want_loss, want = _step(tiny_qwen3, grouped=False, autocast=True)
+    loss, got = _step(tiny_qwen3, grouped=True, autocast=True)
+    torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=2e-2)
+    for name, g in want.items():
+        assert got[name].dtype == torch.float32
+        assert (got[name] - g).norm() <= 2e-2 * g.norm() + 1e-6, name
+
+
+@pytest.mark.parametrize("scales", [(0.5, 0.5, 0.5), (0.3, 2.0, 0.7)], ids=["uniform", "mixed"])
+def test_shared_input_node_has_the_layers_gradients(scales):
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape, grad=True):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
+
+    x = leaf(2, 5, 12)
+    weights = [leaf(o, 12, grad=False) for o in (8, 4, 4)]
+    adapters_a = [leaf(r, 12) for r in (3, 2, 3)]
+    adapters_b = [leaf(o, r) for o, r in zip((8, 4, 4), (3, 2, 3))]
+    grads = [torch.randn(2, 5, o, generator=gen, dtype=torch.float64) for o in (8, 4, 4)]
+    grads[1] = None  # an output nothing uses
+    inputs = (x, *adapters_a, *adapters_b)
+
+    ys = [lora_linear(x, w, a, b, s) for w, a, b, s in zip(weights, adapters_a, adapters_b, scales)]
+    used = [(y, g) for y, g in zip(ys, grads) if g is not None]
+    want = torch.autograd.grad([y for y, _ in used], inputs, [g for _, g in used], allow_unused=True)
+    outs = _SharedInputLora.apply(x, scales, *weights, *adapters_a, *adapters_b)
+    for y, o in zip(ys, outs):
+        torch.testing.assert_close(o, y, rtol=1e-12, atol=1e-12)
+    used = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    got = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used], allow_unused=True)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None or not g.abs().any()
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_groups_are_found_per_layer_and_off_by_default():
+    model = add_lora(tiny_llama(seed=0))
+    report = transform_model(model, kernels=True)
+    assert report.checkpointing.group_projections is False
+    groups = report.checkpointing._groups
+    assert [[len(g) for g in layer] for layer in groups] == [[3, 2], [3, 2]]
+    assert lora_ops.shared_input_groups(torch.nn.Linear(2, 2)) == []
