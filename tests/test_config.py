@@ -357,3 +357,14 @@ def test_missing_files_are_named_while_validating(hydra_conf, tmp_path):
     message = str(info.value)
     assert f"data.train_path: no such file '{tmp_path / 'nope.jsonl'}'" in message
     assert "model.name_or_path: no such directory '/no/such/model'" in message
+
+
+def test_cuda_graphs_give_the_datamodule_static_shapes(hydra_conf):
+    from lightning_sloth.data import build_char_tokenizer
+
+    cfg = make("sloth.cuda_graphs=true")
+    tokenizer = build_char_tokenizer()
+    static = build.build_datamodule(cfg.data, tokenizer, static_shapes=cfg.sloth.cuda_graphs).collator
+    assert (static.pad_to, static.segments_bucket) == ("max_tokens", "pow2")
+    plain = build.build_datamodule(make().data, tokenizer).collator
+    assert (plain.pad_to, plain.segments_bucket) == ("multiple", "exact")
