@@ -367,10 +367,10 @@ class CheckpointedLayers:
                 return _LayerNode.apply(forward, self._anchor, rebuild, unread, *args)
             from lightning_sloth.offload.graphs import GraphedLayerNode
 
-            key = graphs.key(index, forward, args, unread)
+            key, keywords = graphs.key(index, forward, args, unread)
             if graphs.graphed(key):
-                entry = graphs.entry(key, forward, args)
-                return GraphedLayerNode.apply(graphs, entry, forward, self._anchor, rebuild, *args)
+                entry = graphs.entry(key, keywords, forward, args)
+                return GraphedLayerNode.apply(graphs, entry, keywords, self._anchor, rebuild, *args)
             out = _LayerNode.apply(forward, self._anchor, rebuild, unread, *args)
             graphs.note_eager(key, out)
             return out

@@ -149,16 +149,17 @@ class _Static:
 class _Entry:
     """One layer under one key: its forward and backward graphs (made on first use)."""
 
-    def __init__(self, layer: nn.Module, run, static: _Static, autocast: list, unread: bool = False) -> None:
-        self.layer = layer
+    def __init__(
+        self, params: list[Tensor], grads: list[Tensor], run, static: _Static, autocast: list, unread: bool
+    ) -> None:
         self.unread = unread  # the recompute skips what only the output's values need
         self.run = run  # the layer's forward over the static keyword tensors
         self.static = static
         self.autocast = autocast
         self.forward_graph: torch.cuda.CUDAGraph | None = None
         self.backward_graph: torch.cuda.CUDAGraph | None = None
-        self.params = [p for p in layer.parameters() if p.requires_grad]
-        self.grads: list[Tensor] = []  # accumulation buffers of params (their .grad)
+        self.params = params
+        self.grads = grads  # accumulation buffers of params (their .grad), shared by the layer's keys
         self.used: list[bool] = []  # params that get a gradient in this layer
 
     def autocast_contexts(self, stack: contextlib.ExitStack) -> None:
@@ -198,6 +199,7 @@ class LayerGraphs:
         self._outputs: dict[tuple, tuple] = {}
         self._entries: dict[tuple, _Entry] = {}
         self._statics: dict[tuple, _Static] = {}
+        self._grads: dict[int, list[Tensor]] = {}  # per layer: its trainable parameters' .grad buffers
         self._keys: set[tuple] = set()
         self._warned = False
         self.captures = 0
@@ -205,21 +207,25 @@ class LayerGraphs:
         self.eager_calls = 0
 
     # ---------------------------------------------------------------------------- keys
-    def key(self, index: int, forward, args: tuple, unread: bool = False) -> tuple | None:
+    def key(self, index: int, forward, args: tuple, unread: bool = False) -> tuple[tuple | None, list]:
         """The graph key of a call (layer, tensor layouts, Python values, autocast state, whether
-        the recompute skips what only the output's values need), or None when the call cannot be
-        graphed (a tensor off the layer's CUDA device, an unknown value)."""
+        the recompute skips what only the output's values need) and its keyword tensors (each
+        once, in order), from one walk over the bound arguments; the key is None when the call
+        cannot be graphed (a tensor off the layer's CUDA device, an unknown value)."""
         if not args or any(not isinstance(a, Tensor) for a in args):
-            return None
+            return None, []
         device = args[0].device
         if device.type != "cuda" or any(a.device != device for a in args):
-            return None
-        layout, values, first = [], [], {}
+            return None, []
+        layout, values, first, keywords = [], [], {}, []
         for value in _bound_values(forward, []):
             if isinstance(value, Tensor):
                 if value.device != device:
-                    return None
-                layout.append(first.setdefault(id(value), len(first)))
+                    return None, []
+                position = first.setdefault(id(value), len(first))
+                if position == len(keywords):
+                    keywords.append(value)
+                layout.append(position)
                 values.append(_meta(value))
             elif isinstance(value, (int, float, bool, str, type(None), torch.dtype)):
                 values.append(value)
@@ -228,9 +234,10 @@ class LayerGraphs:
             elif callable(value):  # a wrapper's name tells which passes run around the layer
                 values.append(getattr(value, "__qualname__", type(value).__name__))
             else:
-                return None
+                return None, []
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST)
-        return (index, tuple(_meta(a) for a in args), tuple(layout), tuple(values), autocast, unread)
+        key = (index, tuple(_meta(a) for a in args), tuple(layout), tuple(values), autocast, unread)
+        return key, keywords
 
     # ---------------------------------------------------------------------------- calls
     @staticmethod
@@ -273,12 +280,11 @@ class LayerGraphs:
         self._seen[warm] = self._seen.get(warm, 0) + 1
         self._outputs[warm] = (tuple(output.shape), output.dtype)
 
-    def entry(self, key: tuple, forward, args: tuple) -> _Entry:
+    def entry(self, key: tuple, keywords: list[Tensor], forward, args: tuple) -> _Entry:
         """The graphs of ``key`` (the static buffers of its layout shared with other layers)."""
         entry = self._entries.get(key)
         if entry is not None:
             return entry
-        keywords = self._keyword_tensors(forward)
         output = self._outputs[self._warm_key(key)]
         layout = (key[1], tuple(_meta(k) for k in keywords), output)
         static = self._statics.get(layout)
@@ -286,17 +292,15 @@ class LayerGraphs:
             static = self._statics[layout] = _Static(list(args), keywords, output)
         mapping = {id(k): s for k, s in zip(keywords, static.keywords)}
         run = _map_callable(forward, lambda t: mapping[id(t)])
-        entry = _Entry(self.layers[key[0]], run, static, list(key[4]), unread=key[5])
+        index = key[0]
+        if index not in self._grads:  # one set per layer, whichever key's graph accumulates into it
+            self._grads[index] = [torch.zeros_like(p) for p in self._params(index)]
+        entry = _Entry(self._params(index), self._grads[index], run, static, list(key[4]), unread=key[5])
         self._entries[key] = entry
         return entry
 
-    @staticmethod
-    def _keyword_tensors(forward) -> list[Tensor]:
-        unique: dict[int, Tensor] = {}
-        for value in _bound_values(forward, []):
-            if isinstance(value, Tensor):
-                unique.setdefault(id(value), value)
-        return list(unique.values())
+    def _params(self, index: int) -> list[Tensor]:
+        return [p for p in self.layers[index].parameters() if p.requires_grad]
 
     def _capture(self, body) -> torch.cuda.CUDAGraph:
         """Capture ``body`` on a side stream into the shared pool. Not ``torch.cuda.graph``: that
@@ -319,13 +323,13 @@ class LayerGraphs:
         self.captures += 1
         return graph
 
-    def forward(self, entry: _Entry, forward, args: tuple) -> Tensor:
+    def forward(self, entry: _Entry, keywords: list[Tensor], args: tuple) -> Tensor:
         """The layer's forward (no autograd graph) by replay: a fresh tensor with the output.
 
         Where the layer maps one tensor to one of the same layout (a decoder layer), the graph
         writes its output into the input buffer, so the next layer finds its input in place."""
         static = entry.static
-        static.load(list(args), self._keyword_tensors(forward))
+        static.load(list(args), keywords)
         target = static.inputs[0] if static.chained else static.output
         if entry.forward_graph is None:
 
@@ -343,7 +347,7 @@ class LayerGraphs:
         return out
 
     def backward(
-        self, entry: _Entry, forward, saved: list[Tensor], needs: list[bool], grad: Tensor
+        self, entry: _Entry, keywords: list[Tensor], saved: list[Tensor], needs: list[bool], grad: Tensor
     ) -> list[Tensor | None]:
         """Recompute + backward by replay: the inputs' gradients (fresh tensors, None where not
         needed); the parameters' gradients accumulated into their ``.grad``.
@@ -351,11 +355,10 @@ class LayerGraphs:
         Where chained (see :meth:`forward`), the input gradient is written into the gradient
         buffer the layer before reads."""
         static = entry.static
-        static.load(saved, self._keyword_tensors(forward))
+        static.load(saved, keywords)
         static.load_grad(grad)
         chained = static.chained and needs[0]
         if entry.backward_graph is None:
-            entry.grads = [torch.zeros_like(p) for p in entry.params]
             entry.grads_in = [
                 (static.grad_output if chained and i == 0 else torch.empty_like(s)) if need else None
                 for i, (s, need) in enumerate(zip(static.inputs, needs))
@@ -418,15 +421,15 @@ class GraphedLayerNode(torch.autograd.Function):
     the eager ``_LayerNode``: the same inputs saved, the same gradients)."""
 
     @staticmethod
-    def forward(ctx, graphs, entry, forward, anchor, rebuild, *args):
-        ctx.graphs, ctx.entry, ctx.forward = graphs, entry, forward
+    def forward(ctx, graphs, entry, keywords, anchor, rebuild, *args):
+        ctx.graphs, ctx.entry, ctx.keywords = graphs, entry, keywords
         ctx.rebuild = None if rebuild is None else (rebuild.position, rebuild.module)
         ctx.needs = [a.requires_grad for a in args]
         saved = list(args)
         if rebuild is not None:  # the rebuilt input's source is kept in its place
             saved[rebuild.position] = rebuild.source
         ctx.save_for_backward(*saved)  # the offloader sees these
-        return graphs.forward(entry, forward, args)
+        return graphs.forward(entry, keywords, args)
 
     @staticmethod
     def backward(ctx, grad):
@@ -437,5 +440,5 @@ class GraphedLayerNode(torch.autograd.Function):
             position, module = ctx.rebuild
             with torch.no_grad():
                 saved[position] = module(saved[position])
-        grads = ctx.graphs.backward(ctx.entry, ctx.forward, saved, ctx.needs, grad)
+        grads = ctx.graphs.backward(ctx.entry, ctx.keywords, saved, ctx.needs, grad)
         return (None, None, None, None, None, *grads)

@@ -361,10 +361,12 @@ def _fusable(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | Non
 def takes_target_count(model: nn.Module) -> bool:
     """Whether the transformers model inside ``model`` (plain or PEFT-wrapped) computes its loss with
     the fused forward, which takes ``num_target_tokens`` (:func:`causal_lm_forward`)."""
-    from transformers import PreTrainedModel
+    from lightning_sloth.plugins.strategy import find_hf_model
 
-    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    return hf is not None and patched_op(hf) == "cross_entropy"
+    try:
+        return patched_op(find_hf_model(model)) == "cross_entropy"
+    except TypeError:  # no transformers model inside
+        return False
 
 
 def target_rows(
