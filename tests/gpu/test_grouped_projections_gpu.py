@@ -1,0 +1,68 @@
+"""Grouped projections on the GPU (``report.checkpointing.group_projections=True``): the q/k/v and
+gate/up LoRA layers as one node give the layers' own losses and gradients through the Triton
+kernels, in float32 and with bf16 base weights under autocast, eagerly and in CUDA-graph replays.
+
+Run on the GPU machine with ``pytest -m gpu tests/gpu/test_grouped_projections_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_cuda_graphs_gpu import LAYERS, _assert_same, _batches, _model, _train
+
+from lightning_sloth.ops.lora import _SharedInputLora
+from lightning_sloth.plugins.strategy import transform_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _grouped_pair(family: str, dtype: torch.dtype, **settings):
+    one_by_one = _model(family, dtype)
+    grouped = copy.deepcopy(one_by_one)
+    transform_model(one_by_one, kernels=True)
+    report = transform_model(grouped, kernels=True, **settings)
+    report.checkpointing.group_projections = True
+    return one_by_one, grouped, report
+
+
+def _count_nodes(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    apply = _SharedInputLora.apply
+    monkeypatch.setattr(_SharedInputLora, "apply", lambda *a: calls.append(len(a[1])) or apply(*a))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_grouped_projections_match_the_layers_in_float32(family, monkeypatch):
+    one_by_one, grouped, _ = _grouped_pair(family, torch.float32)
+    batches = _batches(3, seed=7)
+    want = _train(one_by_one, batches)
+    calls = _count_nodes(monkeypatch)
+    got = _train(grouped, batches)
+    # every step: each layer's forward and recompute, one q/k/v and one gate/up node each
+    assert sorted(calls) == sorted([2, 3] * 2 * LAYERS * len(batches))
+    _assert_same(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_projections_with_bf16_weights_under_autocast():
+    one_by_one, grouped, _ = _grouped_pair("qwen3", torch.bfloat16)
+    batches = _batches(3, seed=8)
+    want_losses, want_grads = _train(one_by_one, batches, autocast=torch.bfloat16)
+    got_losses, got_grads = _train(grouped, batches, autocast=torch.bfloat16)
+    torch.testing.assert_close(got_losses, want_losses, rtol=2e-2, atol=2e-2)
+    for g, w in zip(got_grads, want_grads):
+        for name in w:
+            assert g[name].dtype == torch.float32
+            assert (g[name] - w[name]).norm() <= 3e-2 * w[name].norm() + 1e-6, name
+
+
+def test_grouped_projections_in_graph_replays_with_offload():
+    one_by_one, grouped, report = _grouped_pair("llama", torch.float32, cuda_graphs=True, offload="on")
+    batches = _batches(4, seed=9)
+    want = _train(one_by_one, batches)
+    got = _train(grouped, batches)
+    _assert_same(got, want, rtol=1e-4, atol=1e-5)
+    assert report.checkpointing.graphs.replays > 0
