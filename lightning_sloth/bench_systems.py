@@ -38,9 +38,10 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      itself (``group_adapter_casts=False``).
     sloth_kernels_kept_embedding     the default, but the first layer's node keeps the embedding's
                                      output (``rebuild_embedding=False``).
-    sloth_kernels_grouped            the default + q/k/v and gate/up LoRA layers as one node each
-                                     (``group_projections=True``); ``sloth_kernels_offload_grouped``
-                                     with offload.
+    sloth_kernels_per_layer_projections  the default, but q/k/v and gate/up LoRA layers one node
+                                     each instead of one per group (``group_projections=False``);
+                                     ``sloth_kernels_grouped`` / ``sloth_kernels_offload_grouped``
+                                     name the default's grouping explicitly (as first measured).
     sloth_kernels_full_recompute     the default, but the recompute runs each layer's last product
                                      too (``skip_unread_output=False``).
     sloth_kernels_loss_all_rows      the default, but the fused loss computes logits for every row
@@ -357,6 +358,7 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
             _checkpointing_set(
                 bench._sloth(kernels={"add_rms_norm": False}, checkpoint_impl="torch"),
                 group_adapter_casts=False,
+                group_projections=False,
             )
         ),
         bench._packed_batches,
@@ -364,6 +366,11 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_per_call_casts": SuiteSystem(
         "lightning_sloth, adapters cast by every LoRA call",
         _checkpointing_set(bench._sloth(kernels=True), group_adapter_casts=False),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_per_layer_projections": SuiteSystem(
+        "lightning_sloth, q/k/v and gate/up LoRA layers one node each",
+        _checkpointing_set(bench._sloth(kernels=True), group_projections=False),
         bench._packed_batches,
     ),
     "sloth_kernels_grouped": SuiteSystem(

@@ -81,10 +81,27 @@ def test_shared_input_node_has_the_layers_gradients(scales):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
-def test_groups_are_found_per_layer_and_off_by_default():
+def test_groups_are_found_per_layer_and_on_by_default():
     model = add_lora(tiny_llama(seed=0))
     report = transform_model(model, kernels=True)
-    assert report.checkpointing.group_projections is False
+    assert report.checkpointing.group_projections is True
     groups = report.checkpointing._groups
     assert [[len(g) for g in layer] for layer in groups] == [[3, 2], [3, 2]]
     assert lora_ops.shared_input_groups(torch.nn.Linear(2, 2)) == []
+
+
+def test_layers_that_are_not_plain_lora_run_one_by_one(monkeypatch):
+    """LoRA dropout (like DoRA, biases, several adapters) leaves each layer its own call."""
+    from _models import LORA_TARGETS
+    from peft import LoraConfig, get_peft_model
+
+    calls = []
+    apply = _SharedInputLora.apply
+    monkeypatch.setattr(_SharedInputLora, "apply", lambda *a: calls.append(len(a[1])) or apply(*a))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=list(LORA_TARGETS))
+    model = get_peft_model(tiny_llama(seed=0), config).train()
+    transform_model(model, kernels=True)
+    docs = random_documents([7, 3, 12], seed=2)
+    batch = PackedCollator(32, 0, pad_to="max_tokens")([(d, d) for d in docs])
+    model(**batch.model_inputs(), labels=batch.labels).loss.backward()
+    assert calls == []

@@ -277,10 +277,11 @@ class CheckpointedLayers:
         """Each layer's fused LoRA layers take their adapters from one grouped cast per pass
         (:func:`lightning_sloth.ops.lora.adapter_casts`); ``False``: two casts per call, as before."""
         self._groups = [shared_input_groups(layer) for layer in self.layers]
-        self.group_projections = False
-        """Opt-in: each layer's LoRA layers that read one input (q/k/v, gate/up) compute as one node
-        that reads x once for their ``x A^T`` and ``dA`` and accumulates ``dx`` in the products'
-        epilogues (:func:`lightning_sloth.ops.lora.grouped_projections`); not measured on a GPU yet."""
+        self.group_projections = True
+        """Each layer's LoRA layers that read one input (q/k/v, gate/up) compute as one node that
+        reads x once for their ``x A^T`` and ``dA`` and accumulates ``dx`` in the products'
+        epilogues (:func:`lightning_sloth.ops.lora.grouped_projections`; eager only, and only where
+        every layer of a group is a plain LoRA layer); ``False``: one node per layer."""
         self.skip_unread_output = True
         """The node's recompute skips what only the layer output's values need (the fused LoRA
         ``down_proj``'s base product and the residual add: see

@@ -48,15 +48,27 @@ def test_grouped_projections_match_the_layers_in_float32(family, monkeypatch):
 
 
 def test_grouped_projections_with_bf16_weights_under_autocast():
-    one_by_one, grouped, _ = _grouped_pair("qwen3", torch.bfloat16)
-    batches = _batches(3, seed=8)
-    want_losses, want_grads = _train(one_by_one, batches, autocast=torch.bfloat16)
-    got_losses, got_grads = _train(grouped, batches, autocast=torch.bfloat16)
-    torch.testing.assert_close(got_losses, want_losses, rtol=2e-2, atol=2e-2)
-    for g, w in zip(got_grads, want_grads):
-        for name in w:
-            assert g[name].dtype == torch.float32
-            assert (g[name] - w[name]).norm() <= 3e-2 * w[name].norm() + 1e-6, name
+    """Both ways round differently in bf16; the grouped gradients are as close to the float32
+    gradients of the same weights as the layers' own (one step: AdamW would amplify the rounding
+    of near-zero gradients into full-size updates)."""
+    reference = _model("qwen3", torch.bfloat16)
+    one_by_one, grouped = copy.deepcopy(reference), copy.deepcopy(reference)
+    transform_model(reference.float(), kernels=True)  # the same weights in float32
+    transform_model(one_by_one, kernels=True)
+    transform_model(grouped, kernels=True).checkpointing.group_projections = True
+    batch = _batches(1, seed=8)
+    _, (want,) = _train(reference, batch)
+    _, (one,) = _train(one_by_one, batch, autocast=torch.bfloat16)
+    _, (got,) = _train(grouped, batch, autocast=torch.bfloat16)
+
+    def error(grads):
+        return torch.stack([(grads[n] - want[n]).norm() for n in want]).norm()
+
+    scale = torch.stack([w.norm() for w in want.values()]).norm()
+    assert all(g.dtype == torch.float32 for g in got.values())
+    assert error(got) <= 1.5 * error(one) + 1e-3 * scale, (error(got), error(one), scale)
+    for name in want:
+        assert (got[name] - one[name]).norm() <= 1e-1 * one[name].norm() + 1e-6, name
 
 
 def test_grouped_projections_in_graph_replays_with_offload():
