@@ -225,11 +225,16 @@ def _hf_padded_batches(
         yield micro, sum(len(s[0]) for s in group), sum(len(s[0]) ** 2 for s in group), _targets(group)
 
 
-def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[list[dict], int, int, int]]:
-    """Steps of best-fit-decreasing bins, one packed row each."""
+def _packed_batches(
+    workload: Workload, samples, pad_id: int, static: bool = False
+) -> Iterator[tuple[list[dict], int, int, int]]:
+    """Steps of best-fit-decreasing bins, one packed row each. ``static``: every row padded to the
+    budget and ``cu_seqlens`` to a power-of-two length, the few static shapes CUDA graphs of the
+    layers replay (:func:`_static_packed_batches`)."""
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
 
-    collate = PackedCollator(max_tokens=workload.tokens_per_step, pad_token_id=pad_id)
+    shapes = dict(pad_to="max_tokens", segments_bucket="pow2") if static else {}
+    collate = PackedCollator(max_tokens=workload.tokens_per_step, pad_token_id=pad_id, **shapes)
     for idx in pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step):
         batch = collate([samples[i] for i in idx])
         inputs = batch.model_inputs() | {"labels": batch.labels}
@@ -239,17 +244,8 @@ def _packed_batches(workload: Workload, samples, pad_id: int) -> Iterator[tuple[
 def _static_packed_batches(
     workload: Workload, samples, pad_id: int
 ) -> Iterator[tuple[list[dict], int, int, int]]:
-    """The bins of :func:`_packed_batches`, every row padded to the budget and ``cu_seqlens`` to a
-    power-of-two length: the few static shapes CUDA graphs of the layers replay."""
-    from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
-
-    collate = PackedCollator(
-        max_tokens=workload.tokens_per_step, pad_token_id=pad_id, pad_to="max_tokens", segments_bucket="pow2"
-    )
-    for idx in pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step):
-        batch = collate([samples[i] for i in idx])
-        inputs = batch.model_inputs() | {"labels": batch.labels}
-        yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
+    """:func:`_packed_batches` in static shapes (``static=True``)."""
+    return _packed_batches(workload, samples, pad_id, static=True)
 
 
 def shape_config(shape: str, attn: str = "sdpa"):
