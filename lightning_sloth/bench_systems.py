@@ -46,6 +46,10 @@ Systems (all LoRA r=16 on the seven projections, gradient checkpointing, bf16):
                                      too (``skip_unread_output=False``).
     sloth_kernels_loss_all_rows      the default, but the fused loss computes logits for every row
                                      (no ``num_target_tokens``).
+    sloth_kernels_separate_b         the default, but the grouped LoRA layers add their ``B``
+                                     products to the outputs after the base products instead of
+                                     folding them into them (``lora.WIDE_ROWS_PER_INPUT = inf``);
+                                     ``sloth_kernels_planned_separate_b``: the same on the memory plan.
     hf_bnb_padded / hf_bnb_packed    QLoRA baseline: transformers + PEFT + bitsandbytes over the
                                      same NF4 weights (``prepare_model_for_kbit_training``), padded
                                      micro-batches / packed rows with its SDPA.
@@ -213,6 +217,19 @@ def _checkpointing_set(setup: Callable, **attributes) -> Callable:
         for name, value in attributes.items():
             setattr(model._sloth_report.checkpointing, name, value)
         return model
+
+    return wrapped
+
+
+def _separate_b_products(setup: Callable) -> Callable:
+    """``setup`` in a process whose grouped LoRA layers never fold ``s B`` into the base products
+    (each system runs in its own process, so the module setting stays in it)."""
+
+    def wrapped(workload: Workload):
+        from lightning_sloth.ops import lora
+
+        lora.WIDE_ROWS_PER_INPUT = float("inf")
+        return setup(workload)
 
     return wrapped
 
@@ -391,6 +408,16 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_loss_all_rows": SuiteSystem(
         "lightning_sloth, the loss's logits for every row",
         _loss_on_all_rows(bench._sloth(kernels=True)),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_separate_b": SuiteSystem(
+        "lightning_sloth, LoRA B products added after the base products",
+        _separate_b_products(bench._sloth(kernels=True)),
+        bench._packed_batches,
+    ),
+    "sloth_kernels_planned_separate_b": SuiteSystem(
+        "lightning_sloth + memory plan, LoRA B products added after the base products",
+        _separate_b_products(bench._sloth(kernels=True, offload="auto", memory_budget="auto")),
         bench._packed_batches,
     ),
     "sloth_kernels_kept_embedding": SuiteSystem(

@@ -1,6 +1,7 @@
-"""LoRA layers that read one input (q/k/v, gate/up) as one node (opt-in ``group_projections``):
-x read once for all ``x A^T`` and ``dA``, ``dx`` accumulated in the products' epilogues; the same
-losses and gradients as the layers one by one, within float rounding."""
+"""LoRA layers that read one input (q/k/v, gate/up) as one node (``group_projections``, on by
+default): x read once for all ``x A^T`` and ``dA``, ``dx`` accumulated in the products' epilogues,
+and for large groups the ``B`` products folded into the base products; the same losses and
+gradients as the layers one by one, within float rounding."""
 
 from __future__ import annotations
 
@@ -105,3 +106,82 @@ def test_layers_that_are_not_plain_lora_run_one_by_one(monkeypatch):
     batch = PackedCollator(32, 0, pad_to="max_tokens")([(d, d) for d in docs])
     model(**batch.model_inputs(), labels=batch.labels).loss.backward()
     assert calls == []
+
+
+def _fold_everything(monkeypatch) -> list[int]:
+    """Fold the ``B`` products of every group, whatever its size; returns the extended-weight calls."""
+    monkeypatch.setattr(lora_ops, "WIDE_ROWS_PER_INPUT", 0)
+    monkeypatch.setattr(lora_ops, "WIDE_OUTPUTS_PER_INPUT", 0)
+    calls: list[int] = []
+    extend = lora_ops._extended_weight
+    monkeypatch.setattr(lora_ops, "_extended_weight", lambda w, *a: calls.append(w.shape[0]) or extend(w, *a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "scales, folds",
+    [((0.5, 0.5, 0.5), True), ((2.0, 0.25, 1.0), True), ((0.3, 2.0, 0.7), False)],
+    ids=["uniform", "mixed-powers-of-two", "not-powers-of-two"],
+)
+def test_folded_b_products_give_the_layers_values(scales, folds, monkeypatch):
+    """``[x | x A^T] [W | s B]^T`` per layer: the values of ``x W^T + s (x A^T) B^T`` and the same
+    gradients; scales that are not powers of two (``s B`` would round) keep the separate products."""
+    calls = _fold_everything(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+
+    def leaf(*shape, grad=True):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
+
+    x = leaf(3, 7, 12)
+    weights = [leaf(o, 12, grad=False) for o in (8, 4, 4)]
+    adapters_a = [leaf(r, 12) for r in (3, 2, 3)]
+    adapters_b = [leaf(o, r) for o, r in zip((8, 4, 4), (3, 2, 3))]
+    grads = [torch.randn(3, 7, o, generator=gen, dtype=torch.float64) for o in (8, 4, 4)]
+    inputs = (x, *adapters_a, *adapters_b)
+    ys = [lora_linear(x, w, a, b, s) for w, a, b, s in zip(weights, adapters_a, adapters_b, scales)]
+    want = torch.autograd.grad(ys, inputs, grads)
+    outs = _SharedInputLora.apply(x, scales, *weights, *adapters_a, *adapters_b)
+    assert calls == ([8, 4, 4] if folds else [])
+    got = torch.autograd.grad(outs, inputs, grads)
+    for o, y in zip(outs, ys):
+        assert o.shape == y.shape and o.is_contiguous()
+        torch.testing.assert_close(o, y, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_extended_weight_places_each_layers_b():
+    weight = torch.arange(12.0).view(3, 4)
+    lora_b = torch.ones(3, 2)
+    extended = lora_ops._extended_weight(weight, lora_b, 0.5, 1, 5)
+    assert extended.shape == (3, 9)
+    torch.testing.assert_close(extended[:, :4], weight)
+    torch.testing.assert_close(extended[:, 4:], torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]] * 3))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_folded_b_products_train_like_the_layers_one_by_one(make, monkeypatch):
+    want_loss, want = _step(make, grouped=False)
+    calls = _fold_everything(monkeypatch)
+    loss, got = _step(make, grouped=True)
+    assert len(calls) == 2 * 2 * 5  # two layers, forward and recompute, q/k/v + gate/up each
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == want.keys()
+    # float32 rounding of one sum instead of two (a few 1e-7 of the largest gradient)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=name)
+
+
+def test_small_groups_keep_the_separate_products(monkeypatch):
+    """By default the tiny models' groups are too small to fold (fewer rows than four per input)."""
+    calls: list[int] = []
+    extend = lora_ops._extended_weight
+    monkeypatch.setattr(lora_ops, "_extended_weight", lambda w, *a: calls.append(1) or extend(w, *a))
+    _step(tiny_llama, grouped=True)
+    assert calls == []
+    rows = torch.empty(64, 16)
+    wide = [torch.empty(32, 16)]
+    assert lora_ops._wide_products(rows, wide, (2.0,))
+    assert not lora_ops._wide_products(rows[:63], wide, (2.0,))  # rows < 4 per input
+    assert not lora_ops._wide_products(rows, [torch.empty(31, 16)], (2.0,))  # outputs < 2 per input
+    assert not lora_ops._wide_products(rows, wide, (0.3,))  # s B would round

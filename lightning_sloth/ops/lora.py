@@ -408,6 +408,44 @@ def _compute_parts(module: nn.Module, parts: tuple, x: Tensor):
 
 
 # ------------------------------------------------------------------ LoRA layers sharing an input
+WIDE_ROWS_PER_INPUT = 4
+""":class:`_SharedInputLora` folds the adapters' ``B`` products into the base products (one
+``[x | x A^T] [W | s B]^T`` per layer instead of ``x W^T`` then ``+= s (x A^T) B^T``) when x has at
+least this many rows per input feature: the extended weights cost a copy of ``W`` (``[out, in]``)
+per pass, the second product a read and a write of the output (``[rows, out]``)."""
+
+WIDE_OUTPUTS_PER_INPUT = 2
+"""... and the group's outputs together have at least this many features per input feature: the
+wide rows cost a copy of x (``[rows, in]``), which the saved passes over the outputs must outweigh
+(gate/up of a Llama-3.2-1B shape: 8 per input; its q/k/v: 1.5, which stay as they are)."""
+
+
+def _wide_products(rows: Tensor, weights: Sequence[Tensor], scales: Sequence[float]) -> bool:
+    """Whether :class:`_SharedInputLora` computes ``[x | x A^T] [W | s B]^T``: many rows and
+    outputs per input feature (:data:`WIDE_ROWS_PER_INPUT`, :data:`WIDE_OUTPUTS_PER_INPUT`), and
+    every scale a power of two, so that ``s B`` is exact and the products' values are those of
+    ``alpha = s`` in the epilogue."""
+    inputs = rows.shape[1]
+    return (
+        rows.shape[0] >= WIDE_ROWS_PER_INPUT * inputs
+        and sum(w.shape[0] for w in weights) >= WIDE_OUTPUTS_PER_INPUT * inputs
+        and all(_exact_alpha(s) for s in scales)
+    )
+
+
+def _extended_weight(weight: Tensor, lora_b: Tensor, scale: float, start: int, total: int) -> Tensor:
+    """``[W | 0 .. s B .. 0]`` (``[out, in + total]``): ``s B`` in columns ``in + start ..`` of the
+    adapters' ``total`` columns, the other layers' columns zero."""
+    out_features, inputs = weight.shape
+    extended = weight.new_empty(out_features, inputs + total)
+    extended[:, :inputs].copy_(weight)
+    tail = extended[:, inputs:]
+    if lora_b.shape[1] < total:
+        tail.zero_()
+    torch.mul(lora_b, scale, out=tail[:, start : start + lora_b.shape[1]])
+    return extended
+
+
 class _SharedInputLora(torch.autograd.Function):
     """LoRA layers that read one input x (q/k/v, gate/up) as one node:
     ``y_i = x W_i^T + s_i (x A_i^T) B_i^T``.
@@ -417,6 +455,13 @@ class _SharedInputLora(torch.autograd.Function):
     in the products' epilogues (``addmm_``) instead of adding separate ``[N, in]`` gradients. The
     per-layer products are those of :func:`lora_linear`; ``dx`` is summed in the products'
     float32 accumulators rather than rounded per layer first.
+
+    Where the group is large (:func:`_wide_products`: gate/up of a 1B shape on a 16k-token row),
+    the forward folds each ``B`` product into its base product: ``y_i = [x | x A^T] [W_i | s_i B_i]^T``
+    (one product with ``in + sum r`` inputs, ``B_i`` in its own columns, zeros in the others')
+    instead of ``x W_i^T`` followed by ``+= s_i (x A^T) B_i^T``, which reads and writes the whole
+    ``[N, out]`` output a second time. The sum is rounded once instead of twice. The wide rows
+    replace x among the saved tensors (x is a view of them), so nothing more is kept.
     """
 
     @staticmethod
@@ -424,26 +469,48 @@ class _SharedInputLora(torch.autograd.Function):
         n = len(scales)
         weights, adapters_a, adapters_b = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         rows = x.reshape(-1, x.shape[-1])
-        xa = rows @ torch.cat(adapters_a).t()  # [N, sum r]
-        outputs, start = [], 0
-        for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
-            part = xa[:, start : start + a.shape[0]]
-            start += a.shape[0]
-            outputs.append((rows @ w.t()).addmm_(part, b.t(), alpha=scale).view(*x.shape[:-1], w.shape[0]))
-        ctx.save_for_backward(x, xa, *tensors)
+        a_all = torch.cat(adapters_a)
+        ctx.x_shape = x.shape
+        xa = rows @ a_all.t()  # [N, sum r]
+        if _wide_products(rows, weights, scales):
+            # [x | x A^T] once, then y_i = [x | x A^T] [W_i | s_i B_i]^T: one product per layer.
+            inputs = rows.shape[1]
+            wide = torch.cat([rows, xa], dim=1)
+            outputs, start = [], 0
+            for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
+                extended = _extended_weight(w, b, scale, start, a_all.shape[0])
+                start += a.shape[0]
+                outputs.append((wide @ extended.t()).view(*x.shape[:-1], w.shape[0]))
+            # x as a view of the wide rows (not a second copy); x A^T apart, contiguous: the
+            # backward's dB products read its narrow columns.
+            ctx.save_for_backward(wide, xa, *tensors)
+            ctx.inputs = inputs
+        else:
+            outputs, start = [], 0
+            for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
+                part = xa[:, start : start + a.shape[0]]
+                start += a.shape[0]
+                outputs.append(
+                    (rows @ w.t()).addmm_(part, b.t(), alpha=scale).view(*x.shape[:-1], w.shape[0])
+                )
+            ctx.save_for_backward(rows, xa, *tensors)
+            ctx.inputs = None
         ctx.scales = scales
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, xa, *tensors = ctx.saved_tensors
+        if ctx.inputs is None:
+            rows, xa, *tensors = ctx.saved_tensors
+        else:  # x as a strided view of [x | x A^T]: the products read it in place
+            wide, xa, *tensors = ctx.saved_tensors
+            rows = wide[:, : ctx.inputs]
         scales = ctx.scales
         n = len(scales)
         weights, adapters_a, adapters_b = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         needs = ctx.needs_input_grad
         need_x = needs[0]
-        rows = x.reshape(-1, x.shape[-1])
         d_a: list[Tensor | None] = [None] * n
         d_b: list[Tensor | None] = [None] * n
         dx = None
@@ -479,7 +546,7 @@ class _SharedInputLora(torch.autograd.Function):
                         d_a[i] = part
             if need_x:
                 dx.addmm_(g_all, a_all, alpha=alpha)
-        return (dx.view(x.shape) if dx is not None else None, None, *([None] * n), *d_a, *d_b)
+        return (dx.view(ctx.x_shape) if dx is not None else None, None, *([None] * n), *d_a, *d_b)
 
 
 _GROUPS = threading.local()  # .members: id(LoRA layer) -> its _Group while a block runs

@@ -78,3 +78,41 @@ def test_grouped_projections_in_graph_replays_with_offload():
     got = _train(grouped, batches)
     _assert_same(got, want, rtol=1e-4, atol=1e-5)
     assert report.checkpointing.graphs.replays > 0
+
+
+def test_folded_b_products_in_bf16_are_as_close_to_float64_as_the_separate_ones(monkeypatch):
+    """gate/up-shaped group large enough to fold (``[x | x A^T] [W | s B]^T``): in bf16 its outputs
+    and gradients are as close to float64 as the separate products' (one rounding of the sum)."""
+    from lightning_sloth.ops import lora as lora_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, inputs, outs, rank = 4096, 256, (1024, 1024), 16
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float64) * scale
+
+    x = rand(rows, inputs)
+    weights = [rand(o, inputs, scale=inputs**-0.5) for o in outs]
+    adapters_a = [rand(rank, inputs, scale=inputs**-0.5) for _ in outs]
+    adapters_b = [rand(o, rank, scale=0.1) for o in outs]
+    grads = [rand(rows, o) for o in outs]
+    scales = (2.0, 2.0)
+
+    def run(dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (x, *adapters_a, *adapters_b)]
+        ys = _SharedInputLora.apply(leaves[0], scales, *[w.to(dtype) for w in weights], *leaves[1:])
+        gs = torch.autograd.grad(ys, leaves, [g.to(dtype) for g in grads])
+        return [t.double() for t in (*ys, *gs)]
+
+    want = run(torch.float64)
+    folded_calls: list[int] = []
+    extend = lora_ops._extended_weight
+    monkeypatch.setattr(lora_ops, "_extended_weight", lambda w, *a: folded_calls.append(1) or extend(w, *a))
+    folded = run(torch.bfloat16)
+    assert len(folded_calls) == 2  # the default thresholds fold this group
+    monkeypatch.setattr(lora_ops, "WIDE_ROWS_PER_INPUT", float("inf"))
+    separate = run(torch.bfloat16)
+    assert len(folded_calls) == 2
+    for got, one, ref in zip(folded, separate, want):
+        err_folded, err_separate = (got - ref).norm(), (one - ref).norm()
+        assert err_folded <= 1.05 * err_separate + 1e-6 * ref.norm(), (err_folded, err_separate)
