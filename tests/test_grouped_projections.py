@@ -52,18 +52,24 @@ def test_grouped_projections_under_bf16_autocast_with_float32_adapters():
         assert (got[name] - g).norm() <= 2e-2 * g.norm() + 1e-6, name
 
 
-@pytest.mark.parametrize("scales", [(0.5, 0.5, 0.5), (0.3, 2.0, 0.7)], ids=["uniform", "mixed"])
-def test_shared_input_node_has_the_layers_gradients(scales):
-    gen = torch.Generator().manual_seed(0)
+def _group_leaves(seed: int, lead: tuple[int, ...], outs=(8, 4, 4), ranks=(3, 2, 3), inputs: int = 12):
+    """float64 ``(x, weights, adapters_a, adapters_b, output grads)`` of a q/k/v-like group."""
+    gen = torch.Generator().manual_seed(seed)
 
     def leaf(*shape, grad=True):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
 
-    x = leaf(2, 5, 12)
-    weights = [leaf(o, 12, grad=False) for o in (8, 4, 4)]
-    adapters_a = [leaf(r, 12) for r in (3, 2, 3)]
-    adapters_b = [leaf(o, r) for o, r in zip((8, 4, 4), (3, 2, 3))]
-    grads = [torch.randn(2, 5, o, generator=gen, dtype=torch.float64) for o in (8, 4, 4)]
+    x = leaf(*lead, inputs)
+    weights = [leaf(o, inputs, grad=False) for o in outs]
+    adapters_a = [leaf(r, inputs) for r in ranks]
+    adapters_b = [leaf(o, r) for o, r in zip(outs, ranks)]
+    grads = [torch.randn(*lead, o, generator=gen, dtype=torch.float64) for o in outs]
+    return x, weights, adapters_a, adapters_b, grads
+
+
+@pytest.mark.parametrize("scales", [(0.5, 0.5, 0.5), (0.3, 2.0, 0.7)], ids=["uniform", "mixed"])
+def test_shared_input_node_has_the_layers_gradients(scales):
+    x, weights, adapters_a, adapters_b, grads = _group_leaves(0, (2, 5))
     grads[1] = None  # an output nothing uses
     inputs = (x, *adapters_a, *adapters_b)
 
@@ -127,16 +133,7 @@ def test_folded_b_products_give_the_layers_values(scales, folds, monkeypatch):
     """``[x | x A^T] [W | s B]^T`` per layer: the values of ``x W^T + s (x A^T) B^T`` and the same
     gradients; scales that are not powers of two (``s B`` would round) keep the separate products."""
     calls = _fold_everything(monkeypatch)
-    gen = torch.Generator().manual_seed(3)
-
-    def leaf(*shape, grad=True):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
-
-    x = leaf(3, 7, 12)
-    weights = [leaf(o, 12, grad=False) for o in (8, 4, 4)]
-    adapters_a = [leaf(r, 12) for r in (3, 2, 3)]
-    adapters_b = [leaf(o, r) for o, r in zip((8, 4, 4), (3, 2, 3))]
-    grads = [torch.randn(3, 7, o, generator=gen, dtype=torch.float64) for o in (8, 4, 4)]
+    x, weights, adapters_a, adapters_b, grads = _group_leaves(3, (3, 7))
     inputs = (x, *adapters_a, *adapters_b)
     ys = [lora_linear(x, w, a, b, s) for w, a, b, s in zip(weights, adapters_a, adapters_b, scales)]
     want = torch.autograd.grad(ys, inputs, grads)

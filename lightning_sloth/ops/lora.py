@@ -461,7 +461,8 @@ class _SharedInputLora(torch.autograd.Function):
     (one product with ``in + sum r`` inputs, ``B_i`` in its own columns, zeros in the others')
     instead of ``x W_i^T`` followed by ``+= s_i (x A^T) B_i^T``, which reads and writes the whole
     ``[N, out]`` output a second time. The sum is rounded once instead of twice. The wide rows
-    replace x among the saved tensors (x is a view of them), so nothing more is kept.
+    replace x among the saved tensors (x is a view of them): only ``x A^T``'s few columns are kept
+    twice.
     """
 
     @staticmethod
@@ -469,43 +470,30 @@ class _SharedInputLora(torch.autograd.Function):
         n = len(scales)
         weights, adapters_a, adapters_b = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         rows = x.reshape(-1, x.shape[-1])
-        a_all = torch.cat(adapters_a)
+        xa = rows @ torch.cat(adapters_a).t()  # [N, sum r]
+        # [x | x A^T] once, then y_i = [x | x A^T] [W_i | s_i B_i]^T: one product per layer.
+        wide = torch.cat([rows, xa], dim=1) if _wide_products(rows, weights, scales) else None
+        outputs, start = [], 0
+        for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
+            r = a.shape[0]
+            if wide is not None:
+                y = wide @ _extended_weight(w, b, scale, start, xa.shape[1]).t()
+            else:
+                y = (rows @ w.t()).addmm_(xa[:, start : start + r], b.t(), alpha=scale)
+            start += r
+            outputs.append(y.view(*x.shape[:-1], w.shape[0]))
+        # Folded, x is kept as a view of the wide rows (not a second copy); x A^T is kept apart,
+        # contiguous, for the backward's dB products, which read its narrow columns.
+        ctx.save_for_backward(rows if wide is None else wide, xa, *tensors)
         ctx.x_shape = x.shape
-        xa = rows @ a_all.t()  # [N, sum r]
-        if _wide_products(rows, weights, scales):
-            # [x | x A^T] once, then y_i = [x | x A^T] [W_i | s_i B_i]^T: one product per layer.
-            inputs = rows.shape[1]
-            wide = torch.cat([rows, xa], dim=1)
-            outputs, start = [], 0
-            for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
-                extended = _extended_weight(w, b, scale, start, a_all.shape[0])
-                start += a.shape[0]
-                outputs.append((wide @ extended.t()).view(*x.shape[:-1], w.shape[0]))
-            # x as a view of the wide rows (not a second copy); x A^T apart, contiguous: the
-            # backward's dB products read its narrow columns.
-            ctx.save_for_backward(wide, xa, *tensors)
-            ctx.inputs = inputs
-        else:
-            outputs, start = [], 0
-            for w, a, b, scale in zip(weights, adapters_a, adapters_b, scales):
-                part = xa[:, start : start + a.shape[0]]
-                start += a.shape[0]
-                outputs.append(
-                    (rows @ w.t()).addmm_(part, b.t(), alpha=scale).view(*x.shape[:-1], w.shape[0])
-                )
-            ctx.save_for_backward(rows, xa, *tensors)
-            ctx.inputs = None
         ctx.scales = scales
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.inputs is None:
-            rows, xa, *tensors = ctx.saved_tensors
-        else:  # x as a strided view of [x | x A^T]: the products read it in place
-            wide, xa, *tensors = ctx.saved_tensors
-            rows = wide[:, : ctx.inputs]
+        rows, xa, *tensors = ctx.saved_tensors
+        rows = rows[:, : ctx.x_shape[-1]]  # folded: x's columns of [x | x A^T], read in place
         scales = ctx.scales
         n = len(scales)
         weights, adapters_a, adapters_b = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
