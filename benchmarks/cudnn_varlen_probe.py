@@ -17,7 +17,7 @@ import os
 import torch
 
 from lightning_sloth.attention import _VarlenFlash
-from lightning_sloth.bench import Workload
+from lightning_sloth.bench.workload import Workload
 from lightning_sloth.data import pack_best_fit_decreasing
 
 HEADS = [(32, 8, 64), (16, 8, 128)]

@@ -80,7 +80,7 @@ def processes(system: str, gpus: int) -> int:
 
 
 def _batches(args, vocab: int, world: int, rank: int) -> list:
-    from lightning_sloth.bench import Workload
+    from lightning_sloth.bench.workload import Workload
     from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
 
     steps = args.warmup + args.steps
@@ -105,7 +105,7 @@ def _model(args, attn: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lightning_sloth.bench import shape_config
+    from lightning_sloth.bench.workload import shape_config
 
     torch.manual_seed(0)
     config = shape_config(args.shape, attn)
@@ -127,7 +127,7 @@ def _stock_module_class():
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from lightning_sloth import CausalLMModule
-    from lightning_sloth.plugins import find_hf_model
+    from lightning_sloth.hf_model import find_hf_model
 
     class StockFSDPModule(CausalLMModule):
         """Lightning's documented FSDP2 recipe: shard in ``configure_model``, transformers' modules."""
@@ -186,7 +186,7 @@ class ProfiledStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx != self.batch_idx:
             return
-        from lightning_sloth.bench import gpu_busy_ms
+        from lightning_sloth.bench.measure import gpu_busy_ms
 
         _synchronize()
         wall_ms = (time.perf_counter() - self._start) * 1e3
@@ -344,7 +344,8 @@ def run_system(system: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from lightning_sloth.bench import SHAPES, environment
+    from lightning_sloth.bench.measure import environment
+    from lightning_sloth.bench.workload import SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama_3_2_1b", choices=sorted(SHAPES))

@@ -40,7 +40,7 @@ def step_host_ms(device: torch.device, sync, blocks: int, checkpoint_impl: str =
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_sloth.data import PackedCollator
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -72,8 +72,9 @@ def step_host_ms(device: torch.device, sync, blocks: int, checkpoint_impl: str =
 def main(argv: list[str] | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from lightning_sloth.ops._registry import call
-    from lightning_sloth.ops.lora import _lora_linear_op, fused_lora_forward
+    from lightning_sloth.ops.registry import call
+    from lightning_sloth.ops.lora import lora_linear_op
+    from lightning_sloth.ops.lora_layers import fused_lora_forward
     from lightning_sloth.ops.rms_norm import rms_norm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     w, a, b = (layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight)
     cases = {
         "rms_norm (eager op, autograd)": lambda: rms_norm(x, norm_weight, 1e-6),
-        "sloth::lora_linear through call()": lambda: call(_lora_linear_op, x, w, a, b, 2.0, False),
+        "sloth::lora_linear through call()": lambda: call(lora_linear_op, x, w, a, b, 2.0, False),
         "fused_lora_forward (PEFT layer -> op)": lambda: fused_lora_forward(layer, x),
         "PEFT lora.Linear forward (for scale)": lambda: layer(x),
     }

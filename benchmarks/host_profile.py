@@ -32,7 +32,7 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
     """
     import torch
 
-    from lightning_sloth.bench import gpu_busy_ms
+    from lightning_sloth.bench.measure import gpu_busy_ms
 
     kernels = sorted(
         (e.time_range.start, e.time_range.end, e.name)
@@ -86,15 +86,9 @@ def gpu_gaps(events, wall_us: float, top: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from lightning_sloth.bench import (
-        SHAPES,
-        Workload,
-        environment,
-        forward_backward,
-        make_optimizer,
-        stage_batch,
-    )
-    from lightning_sloth.bench_systems import resolve
+    from lightning_sloth.bench.measure import environment, forward_backward, make_optimizer, stage_batch
+    from lightning_sloth.bench.systems import resolve
+    from lightning_sloth.bench.workload import SHAPES, Workload
 
     parser = argparse.ArgumentParser(description="host-side profile of one training step (CUDA)")
     parser.add_argument("--system", default="sloth_kernels")

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_sloth.bench import environment
+from lightning_sloth.bench.measure import environment
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from lightning_sloth.ops.lora import lora_linear

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from lightning_sloth.ops import lora
+from lightning_sloth.ops import lora_groups as lora
 
 ROWS, INPUTS, RANK = 16384, 2048, 16
 GROUPS = {"qkv": (2048, 512, 512), "gate_up": (8192, 8192)}

@@ -96,15 +96,9 @@ def peak_breakdown(trace: list[dict], top: int = 15) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from lightning_sloth.bench import (
-        SHAPES,
-        Workload,
-        environment,
-        forward_backward,
-        make_optimizer,
-        resolve_system,
-        stage_batch,
-    )
+    from lightning_sloth.bench.measure import environment, forward_backward, make_optimizer, stage_batch
+    from lightning_sloth.bench.systems import resolve_system
+    from lightning_sloth.bench.workload import SHAPES, Workload
 
     parser = argparse.ArgumentParser(description="peak-memory breakdown of one training step (CUDA)")
     parser.add_argument("--system", default="sloth_kernels_offload")

@@ -201,7 +201,7 @@ def run_case(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from lightning_sloth.bench import environment
+    from lightning_sloth.bench.measure import environment
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)

@@ -89,7 +89,7 @@ def run(shapes, tokens_list) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from lightning_sloth.bench import environment
+    from lightning_sloth.bench.measure import environment
     from lightning_sloth.ops.nf4 import FUSED_MAX_ROWS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_sloth.bench import SHAPES, environment
+from lightning_sloth.bench.measure import environment
+from lightning_sloth.bench.workload import SHAPES
 from lightning_sloth.offload import ActivationOffloader, apply_checkpointing
 
 SETUPS = ("none", "checkpoint", "offload_single", "offload_double", "save_on_cpu", "planned")

@@ -30,16 +30,19 @@ from dataclasses import asdict, replace
 
 import torch
 
-from lightning_sloth import bench
+from lightning_sloth.bench import systems
+from lightning_sloth.bench.harness import run_system
+from lightning_sloth.bench.measure import environment, forward_backward, stage_batch
+from lightning_sloth.bench.workload import SHAPES, Workload, hf_padded_batches, packed_batches, shape_config
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = ("llama_3_1_8b", "qwen3_14b")  # entries of bench.SHAPES
+QLORA_SHAPES = ("llama_3_1_8b", "qwen3_14b")  # entries of workload.SHAPES
 
 
 def quantized_model(shape: str, seed: int):
     from lightning_sloth.quant import random_quantized
 
-    return random_quantized(bench.shape_config(shape), "nf4", device="cuda", dtype=torch.bfloat16, seed=seed)
+    return random_quantized(shape_config(shape), "nf4", device="cuda", dtype=torch.bfloat16, seed=seed)
 
 
 def add_lora(model, r: int):
@@ -54,19 +57,17 @@ def add_lora(model, r: int):
 
 
 def sloth_system(quantize: bool, **settings):
-    def setup(workload: bench.Workload):
+    def setup(workload: Workload):
         from transformers import AutoModelForCausalLM
 
-        from lightning_sloth.plugins.strategy import transform_model
+        from lightning_sloth.transform import transform_model
 
         if quantize:
             model = quantized_model(workload.shape, workload.seed)
         else:
             torch.manual_seed(workload.seed)
             with torch.device("cuda"):
-                model = AutoModelForCausalLM.from_config(
-                    bench.shape_config(workload.shape), dtype=torch.bfloat16
-                )
+                model = AutoModelForCausalLM.from_config(shape_config(workload.shape), dtype=torch.bfloat16)
         model = add_lora(model, workload.lora_r)
         model._sloth_report = transform_model(model, kernels=True, **settings)
         return model
@@ -74,34 +75,34 @@ def sloth_system(quantize: bool, **settings):
     return setup
 
 
-def hf_bnb_system(workload: bench.Workload):
-    from lightning_sloth.bench_systems import as_bitsandbytes
+def hf_bnb_system(workload: Workload):
+    from lightning_sloth.bench.peers import as_bitsandbytes
 
     return add_lora(as_bitsandbytes(quantized_model(workload.shape, workload.seed)), workload.lora_r)
 
 
 SYSTEMS = {
-    "sloth_bf16": (sloth_system(False), bench._packed_batches),
-    "sloth_nf4": (sloth_system(True), bench._packed_batches),
-    "sloth_nf4_offload": (sloth_system(True, offload="on"), bench._packed_batches),
-    "hf_bnb_packed": (hf_bnb_system, bench._packed_batches),
-    "hf_bnb_padded": (hf_bnb_system, bench._hf_padded_batches),
+    "sloth_bf16": (sloth_system(False), packed_batches),
+    "sloth_nf4": (sloth_system(True), packed_batches),
+    "sloth_nf4_offload": (sloth_system(True, offload="on"), packed_batches),
+    "hf_bnb_packed": (hf_bnb_system, packed_batches),
+    "hf_bnb_padded": (hf_bnb_system, hf_padded_batches),
 }
 
 
-def _fits(model, workload: bench.Workload, tokens: int) -> dict:
+def _fits(model, workload: Workload, tokens: int) -> dict:
     """One training step of a single ``tokens``-long sequence: ``{"fits": bool, "peak_allocated_gib": ...}``."""
     one = replace(
         workload, median_len=tokens, min_len=tokens, max_len=tokens, sigma=1e-6, tokens_per_step=tokens,
         warmup_steps=0, timed_steps=1,
     )  # fmt: skip
-    samples = one.samples(bench.SHAPES[workload.shape]["vocab_size"])[:1]
+    samples = one.samples(SHAPES[workload.shape]["vocab_size"])[:1]
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
-        micro, _, _, targets = next(bench._packed_batches(one, samples, 0))
-        micro, num_items = bench.stage_batch(micro, targets)
-        bench.forward_backward(model, micro, num_items, targets)
+        micro, _, _, targets = next(packed_batches(one, samples, 0))
+        micro, num_items = stage_batch(micro, targets)
+        forward_backward(model, micro, num_items, targets)
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         fits = True
@@ -121,7 +122,7 @@ def _fits(model, workload: bench.Workload, tokens: int) -> dict:
     return result
 
 
-def probe_max_tokens(args, workload: bench.Workload) -> dict:
+def probe_max_tokens(args, workload: Workload) -> dict:
     """Longest single sequence (a multiple of ``--probe-step``) that trains one step; see the module notes."""
     model = SYSTEMS[args.only][0](workload)
     model.train()
@@ -156,11 +157,11 @@ def probe_max_tokens(args, workload: bench.Workload) -> dict:
 
 
 def run_one(args) -> dict:
-    bench.SYSTEMS.update(SYSTEMS)
+    systems.SYSTEMS.update(SYSTEMS)
     timed = args.timed_steps
     if args.only == "hf_bnb_padded" and args.padded_timed_steps:
         timed = args.padded_timed_steps
-    workload = bench.Workload(
+    workload = Workload(
         shape=args.shape,
         tokens_per_step=args.tokens_per_step,
         timed_steps=timed,
@@ -171,9 +172,9 @@ def run_one(args) -> dict:
     if args.doc_len:  # one length for every document: a step of one long sequence
         workload.median_len = workload.min_len = workload.max_len = args.doc_len
         workload.sigma = 1e-6
-    samples = workload.samples(bench.SHAPES[args.shape]["vocab_size"])
+    samples = workload.samples(SHAPES[args.shape]["vocab_size"])
     try:
-        result = bench.run_system(args.only, workload, samples, args.peak_tflops * 1e12)
+        result = run_system(args.only, workload, samples, args.peak_tflops * 1e12)
     except torch.OutOfMemoryError as err:
         result = {"system": args.only, "oom": True, "error": str(err).splitlines()[0][:300]}
     result["workload"] = asdict(workload)
@@ -192,7 +193,7 @@ def _git_commit() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama_3_1_8b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama_3_1_8b", choices=sorted(QLORA_SHAPES))
     parser.add_argument("--systems", default="sloth_bf16,sloth_nf4,sloth_nf4_offload,hf_bnb_packed")
     parser.add_argument("--tokens-per-step", type=int, default=16384)
     parser.add_argument("--timed-steps", type=int, default=20)
@@ -240,7 +241,7 @@ def main() -> None:
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "workload"}), flush=True)
         report = {
-            "environment": bench.environment(),
+            "environment": environment(),
             "git_commit": commit,
             "command": "python benchmarks/qlora_bench.py " + " ".join(sys.argv[1:]),
             "shape": args.shape,

@@ -6,9 +6,8 @@ import functools
 
 import torch
 import triton
+from lightning_sloth.kernels.tracing import tracing
 from triton.runtime.jit import JITFunction
-
-from lightning_sloth.ops._registry import tracing
 
 # Programs per SM for the persistent (grid-stride) kernels: enough to hide latency, few enough that
 # the per-program partial sums stay small.

@@ -3,10 +3,12 @@
 Importing the package registers the ``"sloth"`` strategies with Lightning's registry.
 """
 
+from lightning_sloth.data import PackedDataModule
 from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettings
 from lightning_sloth.plugins import (
     ExpertLoadMonitor,
     GradientFlowGuard,
+    OffloadStatsCallback,
     SaveAdapter,
     SlothDDPStrategy,
     SlothFSDPStrategy,
@@ -14,6 +16,7 @@ from lightning_sloth.plugins import (
     SlothStrategy,
     SlothThroughputMonitor,
 )
+from lightning_sloth.transform import SlothReport, transform_model
 
 __version__ = "0.1.0"
 
@@ -21,12 +24,16 @@ __all__ = [
     "CausalLMModule",
     "ExpertLoadMonitor",
     "GradientFlowGuard",
+    "OffloadStatsCallback",
     "LoraSettings",
     "OptimizerSettings",
+    "PackedDataModule",
     "SaveAdapter",
     "SlothDDPStrategy",
     "SlothFSDPStrategy",
     "SlothPrecision",
+    "SlothReport",
     "SlothStrategy",
     "SlothThroughputMonitor",
+    "transform_model",
 ]

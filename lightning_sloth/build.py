@@ -24,16 +24,28 @@ from lightning_sloth.config import (
     Switch,
     SyntheticDataConfig,
 )
+from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
+from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettings
+from lightning_sloth.plugins import (
+    ExpertLoadMonitor,
+    GradientFlowGuard,
+    OffloadStatsCallback,
+    SaveAdapter,
+    SlothDDPStrategy,
+    SlothFSDPStrategy,
+    SlothPrecision,
+    SlothStrategy,
+    SlothThroughputMonitor,
+)
+from lightning_sloth.plugins.checkpoint import AtomicCheckpointIO, FinalCheckpoint, RandomStateCheckpoint
+from lightning_sloth.plugins.progress import StepProgressBar
+from lightning_sloth.plugins.samples import SampleGenerations
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.loggers import Logger
     from lightning.pytorch.strategies import Strategy
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from lightning_sloth.data import PackedDataModule
-    from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettings
-    from lightning_sloth.plugins import SlothPrecision
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +60,6 @@ def build_tokenizer(model: DictConfig) -> PreTrainedTokenizerBase:
     """The run's tokenizer: the built-in character tokenizer for ``model.tokenizer: char``, else
     ``AutoTokenizer.from_pretrained(model.tokenizer)``."""
     if model.tokenizer == "char":
-        from lightning_sloth.data import build_char_tokenizer
-
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
@@ -124,8 +134,6 @@ def build_data_sources(data: DictConfig) -> tuple[Any, Any]:
     """``(train, val)`` record sources for ``PackedDataModule``; ``val`` is ``None`` without validation."""
     kind = OmegaConf.get_type(data)
     if kind is SyntheticDataConfig:
-        from lightning_sloth.data import SyntheticTask
-
         train, val = SyntheticTask.splits(
             data.num_train, data.num_val, seed=data.seed, tasks=list(data.tasks)
         )
@@ -154,8 +162,6 @@ def build_datamodule(
 
     ``static_shapes`` (set by ``sloth.cuda_graphs``): every row padded to ``max_tokens`` and
     ``cu_seqlens`` to a power-of-two length, so the layers' CUDA graphs see few shapes."""
-    from lightning_sloth.data import PackedDataModule
-
     train, val = build_data_sources(data)
     return PackedDataModule(
         tokenizer,
@@ -175,8 +181,6 @@ def build_datamodule(
 
 def build_lora_settings(lora: DictConfig) -> LoraSettings | None:
     """``LoraSettings`` of the ``lora`` node; ``None`` (full fine-tuning) when ``lora.enabled`` is false."""
-    from lightning_sloth.module import LoraSettings
-
     if not lora.enabled:
         return None
     return LoraSettings(
@@ -191,8 +195,6 @@ def build_lora_settings(lora: DictConfig) -> LoraSettings | None:
 
 def build_optimizer_settings(optimizer: DictConfig) -> OptimizerSettings:
     """``OptimizerSettings`` of the ``optimizer`` node."""
-    from lightning_sloth.module import OptimizerSettings
-
     return OptimizerSettings(
         lr=optimizer.lr,
         weight_decay=optimizer.weight_decay,
@@ -205,8 +207,6 @@ def build_optimizer_settings(optimizer: DictConfig) -> OptimizerSettings:
 
 def build_module(cfg: DictConfig, model: PreTrainedModel) -> CausalLMModule:
     """``CausalLMModule`` around ``model`` with the run's LoRA and optimizer settings."""
-    from lightning_sloth.module import CausalLMModule
-
     return CausalLMModule(
         model, lora=build_lora_settings(cfg.lora), optimizer=build_optimizer_settings(cfg.optimizer)
     )
@@ -214,8 +214,6 @@ def build_module(cfg: DictConfig, model: PreTrainedModel) -> CausalLMModule:
 
 def build_precision(precision: DictConfig) -> SlothPrecision:
     """``SlothPrecision`` of the ``precision`` node (``auto`` resolves on this machine)."""
-    from lightning_sloth.plugins import SlothPrecision
-
     quantize = precision.get("quantize")
     if quantize is None:
         return SlothPrecision(precision.precision.value)
@@ -281,8 +279,6 @@ def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = Fals
         trainer: the ``trainer`` node (``devices``, ``num_nodes``, ``accelerator``).
         multirun: the job runs under Hydra's ``-m`` (``HydraConfig.get().mode == MULTIRUN``).
     """
-    from lightning_sloth.plugins import SlothDDPStrategy, SlothFSDPStrategy, SlothStrategy
-
     settings = sloth_settings(sloth)
     if trainer.sharding is Sharding.fsdp:
         # One process is refused by the strategy itself, with a message saying what to use.
@@ -320,17 +316,6 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
     when ``trainer.samples > 0``), the step progress bar (when enabled) and, with activation
     offload on, its statistics (bytes offloaded, pinned pool size, backward wait)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    from lightning_sloth.offload import OffloadStatsCallback
-    from lightning_sloth.plugins import (
-        ExpertLoadMonitor,
-        GradientFlowGuard,
-        SaveAdapter,
-        SlothThroughputMonitor,
-    )
-    from lightning_sloth.plugins.checkpoint import FinalCheckpoint, RandomStateCheckpoint
-    from lightning_sloth.plugins.progress import StepProgressBar
-    from lightning_sloth.plugins.samples import SampleGenerations
 
     output_dir = Path(output_dir)
     every_n_steps = trainer.checkpoint_every_n_steps or trainer.val_check_interval
@@ -378,8 +363,6 @@ def build_trainer(
         loggers: defaults to :func:`build_loggers`; ``False`` disables logging.
     """
     from lightning.pytorch import Trainer
-
-    from lightning_sloth.plugins.checkpoint import AtomicCheckpointIO
 
     t = cfg.trainer
     return Trainer(

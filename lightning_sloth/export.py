@@ -36,6 +36,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lightning_sloth import build
+from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT
+from lightning_sloth.config import _SCHEMAS, TrainConfig, register_configs
+from lightning_sloth.ops.nf4_formats import check_quant_type
+from lightning_sloth.quant import check_checkpoint_quantization, dequantize_model, quantize_model
+
 log = logging.getLogger(__name__)
 
 MERGED_DIR = "merged"
@@ -49,8 +55,6 @@ def load_run_config(run_dir: str | Path) -> DictConfig:
     back into the first schema of that group whose fields hold all its keys, so the builders
     (which dispatch on the schema type) work on it.
     """
-    from lightning_sloth.config import _SCHEMAS, TrainConfig, register_configs
-
     register_configs()  # the sloth_asset resolver
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
@@ -76,8 +80,6 @@ def load_run_config(run_dir: str | Path) -> DictConfig:
 
 def run_quantization(cfg: DictConfig) -> str | None:
     """The 4-bit format a run stored its base in (``precision.quantize``), or None."""
-    from lightning_sloth.quant.formats import check_quant_type
-
     quantize = OmegaConf.select(cfg, "precision.quantize", default=None)
     value = getattr(quantize, "value", quantize)
     if value in (None, False, "none", "off"):
@@ -96,8 +98,6 @@ def build_base(cfg: DictConfig):
     A 4-bit run's base is quantised as the run quantised it (``precision.quantize`` and
     ``quantize_skip``, after the adapters are made), so its checkpoint loads.
     """
-    from lightning_sloth import build
-
     tokenizer = build.build_tokenizer(cfg.model)
     model = build.build_model(cfg.model, tokenizer)
     lora = build.build_lora_settings(cfg.lora)
@@ -107,8 +107,6 @@ def build_base(cfg: DictConfig):
         model = get_peft_model(model, lora.to_peft())
     quantize = run_quantization(cfg)
     if quantize is not None:
-        from lightning_sloth.quant import quantize_model
-
         skip = OmegaConf.select(cfg, "precision.quantize_skip", default=["lm_head"])
         quantize_model(model, quantize, tuple(skip))
     return model, tokenizer
@@ -120,8 +118,6 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: str | Path) -> None:
     4-bit weights load into a model quantised the same way; any other combination is a
     ``ValueError`` naming the mismatch.
     """
-    from lightning_sloth.quant.linear import check_checkpoint_quantization
-
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     check_checkpoint_quantization(model, weights)
@@ -130,8 +126,6 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: str | Path) -> None:
 
 def last_checkpoint(run_dir: str | Path) -> Path:
     """``RUN_DIR/checkpoints/last.ckpt``, or a clear error when the run saved none."""
-    from lightning_sloth.build import CHECKPOINT_DIR, LAST_CHECKPOINT
-
     path = Path(run_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no checkpoint at {path} (did the run train a step?)")
@@ -144,8 +138,6 @@ def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None):
     A 4-bit base comes back dequantised (:func:`~lightning_sloth.quant.dequantize_model`): the
     float32 weights training decoded, the adapter unmerged.
     """
-    from lightning_sloth.quant import dequantize_model
-
     cfg = load_run_config(run_dir)
     check_exportable(cfg)
     model, tokenizer = build_base(cfg)
@@ -173,8 +165,6 @@ def save_merged(model: nn.Module, tokenizer, out: str | Path, dtype: str = "bflo
     ``dtype`` is the last one.
     """
     from transformers import GenerationConfig
-
-    from lightning_sloth.quant import dequantize_model
 
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
@@ -240,8 +230,6 @@ def export_run(
     Returns:
         ``{"adapter": path, "merged": path}`` (no ``adapter`` for a full fine-tune).
     """
-    from lightning_sloth.build import ADAPTER_DIR
-
     out = Path(out or run_dir)
     model, tokenizer = load_trained(run_dir, checkpoint)
     written = {}
@@ -274,8 +262,6 @@ class ExportMerged(Callback):
 
     @rank_zero_only
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_sloth.quant.linear import check_checkpoint_quantization
-
         live = pl_module.model
         weights = {k: _to_cpu_float32(v) for k, v in live.state_dict().items()}
         model, tokenizer = self.build_base()

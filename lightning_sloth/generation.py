@@ -1,4 +1,4 @@
-"""Greedy generation from a model prepared for packed training, and ``lightning-sloth-generate``.
+"""Greedy generation from a model prepared for packed training.
 
 Training assumes packed rows: ``config.use_cache = False`` and the "sloth" attention, which reads
 ``cu_seq_lens_*`` and ignores a KV cache. Generation needs the opposite, so
@@ -6,21 +6,20 @@ Training assumes packed rows: ``config.use_cache = False`` and the "sloth" atten
 gradients) and puts them back afterwards. Activation checkpointing needs nothing: transformers
 only checkpoints layers in training mode. Kernel-patched forwards stay (they do not assume packing).
 
-::
-
-    lightning-sloth-generate RUN_DIR "reverse: hello\\n"        # a run of the app (its merged export
-                                                                # if there is one, else its checkpoint)
-    lightning-sloth-generate RUN_DIR --max-new-tokens 32 "upper: abc\\n" "repeat 2: xy\\n"
+The samples callback (``lightning_sloth.plugins.samples``) and ``lightning-sloth-generate``
+(:mod:`lightning_sloth.generate`) both generate through it.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from lightning_sloth.attention import ATTENTION_NAME
+from lightning_sloth.hf_model import find_hf_model
 
 #: Attention used while generating when the model trains with the packed "sloth" attention; models
 #: without an SDPA path (GPT-OSS: attention sinks) generate with their eager attention.
@@ -29,15 +28,6 @@ GENERATION_ATTENTION = "sdpa"
 
 def _generation_attention(hf: nn.Module) -> str:
     return GENERATION_ATTENTION if getattr(hf, "_supports_sdpa", False) else "eager"
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    from transformers import PreTrainedModel
-
-    for sub in model.modules():
-        if isinstance(sub, PreTrainedModel):
-            return sub
-    raise TypeError(f"no transformers PreTrainedModel inside {type(model).__name__}")
 
 
 @contextmanager
@@ -49,9 +39,7 @@ def generation_mode(model: nn.Module) -> Iterator[nn.Module]:
     without SDPA). On exit every one of
     them is put back as it was, also when generation raises.
     """
-    from lightning_sloth.attention import ATTENTION_NAME
-
-    hf = _hf_model(model)
+    hf = find_hf_model(model)
     was_training = model.training
     attention = hf.config._attn_implementation
     use_cache = hf.config.use_cache
@@ -113,41 +101,3 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of a plain prompt as the data pipeline builds them: ``bos`` (if any) + the text."""
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else ids
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``lightning-sloth-generate RUN_DIR PROMPT [PROMPT ...]``: print greedy continuations."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-sloth-generate",
-        description="Greedy-decode prompts with the model a lightning-sloth run trained.",
-    )
-    parser.add_argument("run_dir", help="the run's output directory (holds .hydra/ and checkpoints/)")
-    parser.add_argument("prompts", nargs="+", help='prompt text; "\\n" is read as a newline')
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument(
-        "--chat", action="store_true", help="wrap each prompt as a user turn in the tokenizer's chat template"
-    )
-    args = parser.parse_args(argv)
-    from lightning_sloth.export import load_run_model
-
-    model, tokenizer = load_run_model(args.run_dir)
-    prompts = []
-    for text in args.prompts:
-        text = text.replace("\\n", "\n")
-        if args.chat:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            prompts.append(encode_prompt(tokenizer, text))
-    with generation_mode(model):
-        outputs = greedy_generate(
-            model, prompts, eos_token_id=tokenizer.eos_token_id, max_new_tokens=args.max_new_tokens
-        )
-    for text, ids in zip(args.prompts, outputs):
-        print(f"{text} -> {tokenizer.decode(ids, skip_special_tokens=True)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -19,6 +19,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sloth.data.batch import IGNORE_INDEX, PackedBatch
+from lightning_sloth.patching import takes_target_count
 from lightning_sloth.token_loss import GlobalTokenLoss
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -231,8 +232,6 @@ class CausalLMModule(LightningModule):
         model = self.model
         cached = self.__dict__.get("_fused_loss_cache")
         if cached is None or cached[0] != id(model):
-            from lightning_sloth.patching._forwards import takes_target_count
-
             cached = self.__dict__["_fused_loss_cache"] = (id(model), takes_target_count(model))
         return cached[1]
 

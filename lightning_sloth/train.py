@@ -37,7 +37,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+from lightning_sloth import build, export
+from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT, SAMPLES_FILE
 from lightning_sloth.config import ExportMode, register_configs, validate
+from lightning_sloth.export import MERGED_DIR
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +122,6 @@ def _number(value: Any) -> float | str:
 
 def format_summary(summary: dict[str, Any], output_dir: str | Path) -> str:
     """A few lines for the console from a ``metrics.json`` dict: metrics, then where the outputs are."""
-    from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT, SAMPLES_FILE
-    from lightning_sloth.export import MERGED_DIR
-
     output_dir = Path(output_dir)
     where = [
         ("adapter", output_dir / ADAPTER_DIR),
@@ -159,8 +159,6 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     """
     from lightning.pytorch import seed_everything
 
-    from lightning_sloth import build
-
     start = time.time()
     validate(cfg)
     output_dir = Path(output_dir)
@@ -169,8 +167,6 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     callbacks = build.build_callbacks(cfg.trainer, output_dir, build.offload_enabled(cfg))
     callbacks.append(RunSummary(output_dir / METRICS_FILE, start_time=start, resumed_from=resume))
     if cfg.export is ExportMode.merged:
-        from lightning_sloth import export
-
         export.check_exportable(cfg)
         merged = output_dir / export.MERGED_DIR
         callbacks.append(export.ExportMerged(partial(export.build_base, cfg), merged, cfg.export_dtype.value))

@@ -37,7 +37,7 @@ from lightning_sloth import (
 )
 from lightning_sloth.data import PackedBatch, PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.transform import transform_model
 
 ACCUMULATE = 2
 
@@ -404,16 +404,16 @@ MORE_CASES = (
 def _offload_any_size():
     """Let the strategy's offloader take tensors of any size (the tiny layer inputs are below
     its 1 MiB default); returns the undo."""
-    import lightning_sloth.offload as offload
+    import lightning_sloth.transform as transform  # where transform_model makes the offloader
 
-    original = offload.ActivationOffloader
+    original = transform.ActivationOffloader
 
     class AnySize(original):
         def __init__(self, policy="auto", **kwargs):
             super().__init__(policy, **(kwargs | {"min_offload_bytes": 0}))
 
-    offload.ActivationOffloader = AnySize
-    return lambda: setattr(offload, "ActivationOffloader", original)
+    transform.ActivationOffloader = AnySize
+    return lambda: setattr(transform, "ActivationOffloader", original)
 
 
 def init_dtype_attrs_torch_2_11(self, mp_policy) -> None:

@@ -1,4 +1,4 @@
-"""One grouped cast of a decoder layer's LoRA adapters per pass (``lightning_sloth.ops.lora.adapter_casts``).
+"""One grouped cast of a decoder layer's LoRA adapters per pass (``lightning_sloth.ops.lora_layers.adapter_casts``).
 
 Under autocast, float32 adapters are cast to the compute dtype by every fused LoRA call and their
 gradients cast back by one autograd node each; inside a checkpointed layer that is one
@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sloth.ops import lora as lora_ops
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.ops import lora_layers
+from lightning_sloth.transform import transform_model
 
 
 def test_grouped_cast_equals_per_weight_casts_forward_and_backward():
     gen = torch.Generator().manual_seed(0)
     weights = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((4, 16), (24, 4), (4, 24))]
     upstream = [torch.randn(w.shape, generator=gen, dtype=torch.bfloat16) for w in weights]
-    copies = lora_ops._CastAdapters.apply(torch.bfloat16, *weights)
+    copies = lora_layers._CastAdapters.apply(torch.bfloat16, *weights)
     for w, c in zip(weights, copies):
         assert c.dtype == torch.bfloat16 and torch.equal(c, w.to(torch.bfloat16))
     torch.autograd.backward(list(copies[:2]), upstream[:2])  # the third gets no gradient
@@ -53,7 +53,7 @@ def test_checkpointed_layers_cast_their_adapters_once_per_pass(impl, monkeypatch
     batch = _models.packed_batch(_models.random_documents([37, 5, 60, 18], seed=3))
 
     groups, own_casts = [], []
-    foreach_cast, cast = lora_ops._foreach_cast, lora_ops._cast
+    foreach_cast, cast = lora_layers._foreach_cast, lora_layers.cast_adapter
 
     def counted_group(tensors, dtype):
         groups.append(len(tensors))
@@ -64,8 +64,8 @@ def test_checkpointed_layers_cast_their_adapters_once_per_pass(impl, monkeypatch
             own_casts.append(tuple(tensor.shape))
         return cast(tensor, dtype, copies)
 
-    monkeypatch.setattr(lora_ops, "_foreach_cast", counted_group)
-    monkeypatch.setattr(lora_ops, "_cast", counted_cast)
+    monkeypatch.setattr(lora_layers, "_foreach_cast", counted_group)
+    monkeypatch.setattr(lora_layers, "cast_adapter", counted_cast)
 
     def step(model):
         model.zero_grad(set_to_none=True)
@@ -89,15 +89,15 @@ def test_checkpointed_layers_cast_their_adapters_once_per_pass(impl, monkeypatch
 def test_no_grouping_outside_autocast_or_for_adapters_in_the_compute_dtype():
     model = _lora_qwen3()
     modules = transform_model(model, kernels=True).checkpointing._adapters[0]
-    with lora_ops.adapter_casts(modules):
-        assert getattr(lora_ops._CASTS, "copies", None) is None  # no autocast: nothing to cast
-    with torch.autocast("cpu", dtype=torch.bfloat16), lora_ops.adapter_casts(modules):
-        copies = lora_ops._CASTS.copies
+    with lora_layers.adapter_casts(modules):
+        assert getattr(lora_layers.ADAPTER_CASTS, "copies", None) is None  # no autocast: nothing to cast
+    with torch.autocast("cpu", dtype=torch.bfloat16), lora_layers.adapter_casts(modules):
+        copies = lora_layers.ADAPTER_CASTS.copies
         assert len(copies) == 14 and all(c.dtype == torch.bfloat16 for c in copies.values())
-    assert getattr(lora_ops._CASTS, "copies", None) is None
+    assert getattr(lora_layers.ADAPTER_CASTS, "copies", None) is None
     model.to(torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), lora_ops.adapter_casts(modules):
-        assert getattr(lora_ops._CASTS, "copies", None) is None  # already bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16), lora_layers.adapter_casts(modules):
+        assert getattr(lora_layers.ADAPTER_CASTS, "copies", None) is None  # already bf16
 
 
 def _zeros_in_backward_nodes(model, batch) -> dict[str, int]:

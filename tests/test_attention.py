@@ -11,11 +11,11 @@ from _models import tiny_llama
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from lightning_sloth import attention
 from lightning_sloth.attention import (
     document_block_mask,
     document_causal_mask,
     enable_packed_attention,
+    masked,
     register_sloth_attention,
     set_packed_attention_backend,
     sloth_attention_forward,
@@ -166,13 +166,13 @@ def test_document_causal_mask_small():
 
 def test_mask_built_once_per_batch(monkeypatch):
     builds = []
-    original = attention.document_causal_mask
+    original = masked.document_causal_mask
 
     def counting(*args, **kwargs):
         builds.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "document_causal_mask", counting)
+    monkeypatch.setattr(masked, "document_causal_mask", counting)
     seq_len = sum(SEGMENTS)
     cu = cu_from(SEGMENTS)
     layer = _Layer(2)
@@ -191,13 +191,13 @@ def test_mask_built_once_per_batch(monkeypatch):
 
 def test_mask_reused_across_layers_in_a_model(monkeypatch):
     builds = []
-    original = attention.document_causal_mask
+    original = masked.document_causal_mask
 
     def counting(*args, **kwargs):
         builds.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "document_causal_mask", counting)
+    monkeypatch.setattr(masked, "document_causal_mask", counting)
     model = tiny_llama(num_hidden_layers=3)
     enable_packed_attention(model)
     cu = cu_from(SEGMENTS)

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from lightning_sloth import attention
 from lightning_sloth.attention import get_varlen_kv_repeat, set_varlen_kv_repeat
+from lightning_sloth.attention import varlen as attention
 
 torch.set_num_threads(1)
 
@@ -92,7 +92,7 @@ def _cu():
 def test_direct_gqa_matches_float64_reference(fake_flash, window):
     q, k, v = _inputs()
     scale = 0.3
-    out = attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), scale, window)
+    out = attention.varlen_packed(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), scale, window)
     assert out.shape == (1, sum(SEGMENTS), 6, 16)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
@@ -124,13 +124,13 @@ def test_repeat_switch_gives_the_same_gradients(fake_flash, monkeypatch):
     grad = torch.randn(1, sum(SEGMENTS), 6, 16, generator=torch.Generator().manual_seed(2))
 
     q, k, v = _inputs(seed=3)
-    direct = attention._varlen(q, k, v, *args)
+    direct = attention.varlen_packed(q, k, v, *args)
     direct_grads = torch.autograd.grad(direct, (q, k, v), grad)
     assert not calls and fake_flash.kv_heads == [2, 2]
 
     set_varlen_kv_repeat(True)
     assert get_varlen_kv_repeat()
-    repeated = attention._varlen(q, k, v, *args)
+    repeated = attention.varlen_packed(q, k, v, *args)
     repeated_grads = torch.autograd.grad(repeated, (q, k, v), grad)
     assert calls == [(6, {})]
     torch.testing.assert_close(direct, repeated, rtol=1e-6, atol=1e-6)
@@ -151,11 +151,11 @@ def test_torch_with_enable_gqa_uses_it(monkeypatch):
     q, k, v = _inputs()
     set_varlen_kv_repeat(True)  # the copy, switched back on
     try:
-        attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)
+        attention.varlen_packed(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)
     finally:
         set_varlen_kv_repeat(False)
     assert calls == [(6, {})]
-    attention._varlen(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)  # the default
+    attention.varlen_packed(q, k, v, _cu(), _cu(), max(SEGMENTS), max(SEGMENTS), 0.25, None)  # the default
     assert calls[1:] == [(2, {"enable_gqa": True})]
 
 

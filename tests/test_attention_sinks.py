@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from _models import packed_batch, random_documents
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from lightning_sloth import attention
 from lightning_sloth.attention import (
     enable_packed_attention,
+    masked,
     set_packed_attention_backend,
     sloth_attention_forward,
+    varlen,
 )
 
 torch.set_num_threads(1)
@@ -152,7 +153,7 @@ def _repeat(x, heads):
 def _scores(q, k, cu, scale, window_left):
     seq_len = q.shape[0]
     window = None if window_left < 0 else window_left + 1
-    mask = attention.document_causal_mask(cu, seq_len, window)
+    mask = masked.document_causal_mask(cu, seq_len, window)
     scores = torch.einsum("thd,shd->hts", q.double(), _repeat(k, q.shape[1]).double()) * scale
     return scores.masked_fill(~mask, -math.inf)
 
@@ -167,12 +168,12 @@ def _probs(q, k, cu, scale, window_left):
 def test_varlen_sink_function_with_flash_semantics(monkeypatch, window):
     """The CUDA path's gate and its backward (lse gradient folded into the flash row term), run on
     CPU with a stand-in that honours the flash kernels' contract."""
-    monkeypatch.setattr(attention, "_flash_varlen_forward", _flash_like_forward)
-    monkeypatch.setattr(attention, "_flash_varlen_backward", _flash_like_backward)
+    monkeypatch.setattr(varlen, "_flash_varlen_forward", _flash_like_forward)
+    monkeypatch.setattr(varlen, "_flash_varlen_backward", _flash_like_backward)
     seq_len = sum(SEGMENTS)
     q, k, v, sinks = inputs(seq_len, seed=2)
     cu = cu_from(SEGMENTS)
-    out = attention._varlen(q, k, v, cu, cu, max(SEGMENTS), max(SEGMENTS), 0.25, window, sinks)
+    out = varlen.varlen_packed(q, k, v, cu, cu, max(SEGMENTS), max(SEGMENTS), 0.25, window, sinks)
     leaves = float64_leaves(q, k, v, sinks)
     ref = reference(*leaves, SEGMENTS, 0.25, window)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -184,13 +185,13 @@ def test_varlen_sink_function_with_flash_semantics(monkeypatch, window):
 
 def test_varlen_sink_function_compiles_fullgraph(monkeypatch):
     """Dynamo traces the CUDA path's autograd.Function in one graph (it runs inside compiled layers)."""
-    monkeypatch.setattr(attention, "_flash_varlen_forward", _flash_like_forward)
-    monkeypatch.setattr(attention, "_flash_varlen_backward", _flash_like_backward)
+    monkeypatch.setattr(varlen, "_flash_varlen_forward", _flash_like_forward)
+    monkeypatch.setattr(varlen, "_flash_varlen_backward", _flash_like_backward)
     q, k, v, sinks = inputs(sum(SEGMENTS), seed=8)
     cu = cu_from(SEGMENTS)
 
     def attend(q, k, v, sinks):
-        return attention._varlen(q, k, v, cu, cu, max(SEGMENTS), max(SEGMENTS), 0.25, WINDOW, sinks)
+        return varlen.varlen_packed(q, k, v, cu, cu, max(SEGMENTS), max(SEGMENTS), 0.25, WINDOW, sinks)
 
     grad_out = torch.randn(sum(SEGMENTS), 4, 16, generator=torch.Generator().manual_seed(9))[None]
     attend(q, k, v, sinks).backward(grad_out)
@@ -332,8 +333,8 @@ def test_gpt_oss_packed_documents_match_eager_alone():
 
 def test_gpt_oss_packed_loss_and_gradients_match_eager(monkeypatch):
     builds = []
-    original = attention.document_causal_mask
-    monkeypatch.setattr(attention, "document_causal_mask", lambda *a: builds.append(a) or original(*a))
+    original = masked.document_causal_mask
+    monkeypatch.setattr(masked, "document_causal_mask", lambda *a: builds.append(a) or original(*a))
     reference_model = tiny_gpt_oss(seed=1).train()
     packed = copy.deepcopy(reference_model)
     enable_packed_attention(packed)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lightning_sloth.bench import Workload, group_consecutive, padded_batch, resolve_system
+from lightning_sloth.bench.systems import resolve_system
+from lightning_sloth.bench.workload import Workload, group_consecutive, padded_batch
 
 
 def test_workload_lengths_are_seeded_and_clipped():
@@ -50,7 +51,7 @@ def test_budget_systems_parse_their_size_and_reject_bad_ones():
 def test_gpu_busy_time_is_the_union_of_kernel_intervals():
     from types import SimpleNamespace
 
-    from lightning_sloth.bench import gpu_busy_ms
+    from lightning_sloth.bench.measure import gpu_busy_ms
 
     def event(start, end, device=torch.autograd.DeviceType.CUDA):
         return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))

@@ -12,7 +12,11 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from lightning_sloth import bench_report, bench_suite, bench_systems
+from lightning_sloth.bench import measure as bench_measure
+from lightning_sloth.bench import report as bench_report
+from lightning_sloth.bench import suite as bench_suite
+from lightning_sloth.bench import systems as bench_systems
+from lightning_sloth.bench import workload as bench_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKED = [
@@ -108,13 +112,13 @@ def test_report_writes_readme_table_and_plot_deterministically(tiny_run, tmp_pat
 
 def test_guard_fails_a_run_with_zeroed_gradients(monkeypatch):
     def zero_grads(workload):
-        model = bench_systems.bench._sloth()(workload)
+        model = bench_systems.sloth_setup()(workload)
         for p in model.parameters():
             if p.requires_grad:
                 p.register_hook(torch.zeros_like)
         return model
 
-    system = bench_systems.SuiteSystem("zeroed", zero_grads, bench_systems.bench._packed_batches)
+    system = bench_systems.SuiteSystem("zeroed", zero_grads, bench_workload.packed_batches)
     monkeypatch.setitem(bench_systems.SUITE_SYSTEMS, "zeroed", system)
     scenario = OmegaConf.to_container(tiny_config(Path("/tmp"), ["sloth"])["scenario"])
     scenario["workload"] |= {"warmup_steps": 0, "timed_steps": 1}
@@ -124,10 +128,10 @@ def test_guard_fails_a_run_with_zeroed_gradients(monkeypatch):
 
 
 def test_guard_reasons():
-    assert bench_suite.guard({"losses": [1.0, 0.9], "grad_norm": 0.5}) is None
-    assert "loss not finite" in bench_suite.guard({"losses": [1.0, float("nan")], "grad_norm": 0.5})
-    assert "not finite" in bench_suite.guard({"losses": [1.0], "grad_norm": float("inf")})
-    assert "no trainable" in bench_suite.guard({"losses": [1.0], "grad_norm": None})
+    assert bench_measure.guard({"losses": [1.0, 0.9], "grad_norm": 0.5}) is None
+    assert "loss not finite" in bench_measure.guard({"losses": [1.0, float("nan")], "grad_norm": 0.5})
+    assert "not finite" in bench_measure.guard({"losses": [1.0], "grad_norm": float("inf")})
+    assert "no trainable" in bench_measure.guard({"losses": [1.0], "grad_norm": None})
 
 
 def test_committed_readme_tables_match_the_committed_json():
@@ -169,7 +173,7 @@ def test_unknown_system_or_scenario_key_is_named(tmp_path):
     with pytest.raises(SystemExit, match="unknown system 'fast'"):
         bench_suite.run_suite(tiny_config(tmp_path, ["fast"]))
     with pytest.raises(ValueError, match="unknown workload keys"):
-        bench_suite.register_scenario({"name": "x", "shape": "tiny", "workload": {"token_per_step": 1}})
+        bench_workload.register_scenario({"name": "x", "shape": "tiny", "workload": {"token_per_step": 1}})
 
 
 def test_a_commit_hash_read_as_a_number_is_refused(tmp_path):
@@ -199,8 +203,8 @@ def test_moe_scenario_runs_transformers_experts_and_ours(tmp_path):
         assert record["lora_A_grad_norm"] > 0 and record["lora_B_grad_norm"] > 0
     assert ours["first_loss"] == pytest.approx(hf["first_loss"], rel=2e-3)
     assert ours["lora_B_grad_norm"] == pytest.approx(hf["lora_B_grad_norm"], rel=2e-2)
-    model = bench_systems.bench.build_model(bench_suite.register_scenario(report["scenario"]), "sdpa")
-    inactive = bench_systems.bench._inactive_expert_parameters(model)
+    model = bench_workload.build_model(bench_workload.register_scenario(report["scenario"]), "sdpa")
+    inactive = bench_measure.inactive_expert_parameters(model)
     assert 0 < inactive < sum(p.numel() for p in model.parameters())
 
 
@@ -235,14 +239,14 @@ def test_every_scenario_config_composes_to_its_model(name, tmp_path):
     with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"scenario={name}"])
     scenario = OmegaConf.to_container(cfg.scenario)
-    workload = bench_suite.register_scenario(scenario)
+    workload = bench_workload.register_scenario(scenario)
     assert workload.timed_steps >= 2 and workload.tokens_per_step >= 256
     if not name.startswith("tiny"):  # the benchmark method: >= 20 timed steps after the warm-up
         assert workload.timed_steps >= 20 and workload.warmup_steps >= 5
     from transformers import AutoConfig
 
-    family = bench_systems.bench.SHAPE_FAMILIES.get(workload.shape, "llama")
-    config = AutoConfig.for_model(family, **bench_systems.bench.SHAPES[workload.shape])
+    family = bench_workload.SHAPE_FAMILIES.get(workload.shape, "llama")
+    config = AutoConfig.for_model(family, **bench_workload.SHAPES[workload.shape])
     if name == "qwen3_0_6b":
         assert config.model_type == "qwen3"
         assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (1024, 28, 128)

@@ -338,7 +338,7 @@ def test_resume_resolution(tmp_path):
 @pytest.mark.parametrize(("offload", "expected"), [("off", False), ("on", True), ("auto", True)])
 def test_offload_adds_its_statistics_callback(hydra_conf, tmp_path, offload, expected):
     from lightning_sloth.build import build_callbacks, offload_enabled
-    from lightning_sloth.offload import OffloadStatsCallback
+    from lightning_sloth.plugins import OffloadStatsCallback
 
     cfg = make(f"sloth.offload={offload}")
     callbacks = build_callbacks(cfg.trainer, tmp_path, offload_enabled(cfg))

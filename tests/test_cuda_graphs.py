@@ -12,7 +12,8 @@ from _models import add_lora, random_documents, tiny_llama
 
 from lightning_sloth.data import PackedCollator
 from lightning_sloth.offload.graphs import _bound_values, _map_callable, check_graphable
-from lightning_sloth.plugins.strategy import SlothDDPStrategy, transform_model
+from lightning_sloth.plugins import SlothDDPStrategy
+from lightning_sloth.transform import transform_model
 
 
 def _documents():

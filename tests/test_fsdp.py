@@ -242,7 +242,7 @@ def test_the_node_checkpoint_takes_one_layer_per_unit():
 
 @pytest.mark.parametrize("shape,per_unit", [("llama_3_2_1b", 4), ("llama_3_1_8b", 1), ("qwen3_14b", 1)])
 def test_automatic_units_hold_at_most_250m_parameters(shape, per_unit):
-    from lightning_sloth.bench import shape_config
+    from lightning_sloth.bench.workload import shape_config
     from lightning_sloth.plugins.sharding import AUTO_UNIT_PARAMETERS, auto_layers_per_unit
 
     config = shape_config(shape, "sdpa")

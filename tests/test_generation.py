@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.generation import encode_prompt, generation_mode, greedy_generate
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.transform import transform_model
 
 PROMPTS = [[1, 17, 33, 5, 60], [1, 9], [1, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 

@@ -10,9 +10,10 @@ import torch
 from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
 
 from lightning_sloth.data import PackedCollator
-from lightning_sloth.ops import lora as lora_ops
-from lightning_sloth.ops.lora import _SharedInputLora, lora_linear
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.ops import lora_groups
+from lightning_sloth.ops.lora import lora_linear
+from lightning_sloth.ops.lora_groups import _SharedInputLora
+from lightning_sloth.transform import transform_model
 
 
 def _step(make, grouped: bool, autocast: bool = False):
@@ -94,7 +95,7 @@ def test_groups_are_found_per_layer_and_on_by_default():
     assert report.checkpointing.group_projections is True
     groups = report.checkpointing._groups
     assert [[len(g) for g in layer] for layer in groups] == [[3, 2], [3, 2]]
-    assert lora_ops.shared_input_groups(torch.nn.Linear(2, 2)) == []
+    assert lora_groups.shared_input_groups(torch.nn.Linear(2, 2)) == []
 
 
 def test_layers_that_are_not_plain_lora_run_one_by_one(monkeypatch):
@@ -116,11 +117,13 @@ def test_layers_that_are_not_plain_lora_run_one_by_one(monkeypatch):
 
 def _fold_everything(monkeypatch) -> list[int]:
     """Fold the ``B`` products of every group, whatever its size; returns the extended-weight calls."""
-    monkeypatch.setattr(lora_ops, "WIDE_ROWS_PER_INPUT", 0)
-    monkeypatch.setattr(lora_ops, "WIDE_OUTPUTS_PER_INPUT", 0)
+    monkeypatch.setattr(lora_groups, "WIDE_ROWS_PER_INPUT", 0)
+    monkeypatch.setattr(lora_groups, "WIDE_OUTPUTS_PER_INPUT", 0)
     calls: list[int] = []
-    extend = lora_ops._extended_weight
-    monkeypatch.setattr(lora_ops, "_extended_weight", lambda w, *a: calls.append(w.shape[0]) or extend(w, *a))
+    extend = lora_groups._extended_weight
+    monkeypatch.setattr(
+        lora_groups, "_extended_weight", lambda w, *a: calls.append(w.shape[0]) or extend(w, *a)
+    )
     return calls
 
 
@@ -150,7 +153,7 @@ def test_folded_b_products_give_the_layers_values(scales, folds, monkeypatch):
 def test_extended_weight_places_each_layers_b():
     weight = torch.arange(12.0).view(3, 4)
     lora_b = torch.ones(3, 2)
-    extended = lora_ops._extended_weight(weight, lora_b, 0.5, 1, 5)
+    extended = lora_groups._extended_weight(weight, lora_b, 0.5, 1, 5)
     assert extended.shape == (3, 9)
     torch.testing.assert_close(extended[:, :4], weight)
     torch.testing.assert_close(extended[:, 4:], torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]] * 3))
@@ -172,13 +175,13 @@ def test_folded_b_products_train_like_the_layers_one_by_one(make, monkeypatch):
 def test_small_groups_keep_the_separate_products(monkeypatch):
     """By default the tiny models' groups are too small to fold (fewer rows than four per input)."""
     calls: list[int] = []
-    extend = lora_ops._extended_weight
-    monkeypatch.setattr(lora_ops, "_extended_weight", lambda w, *a: calls.append(1) or extend(w, *a))
+    extend = lora_groups._extended_weight
+    monkeypatch.setattr(lora_groups, "_extended_weight", lambda w, *a: calls.append(1) or extend(w, *a))
     _step(tiny_llama, grouped=True)
     assert calls == []
     rows = torch.empty(64, 16)
     wide = [torch.empty(32, 16)]
-    assert lora_ops._wide_products(rows, wide, (2.0,))
-    assert not lora_ops._wide_products(rows[:63], wide, (2.0,))  # rows < 4 per input
-    assert not lora_ops._wide_products(rows, [torch.empty(31, 16)], (2.0,))  # outputs < 2 per input
-    assert not lora_ops._wide_products(rows, wide, (0.3,))  # s B would round
+    assert lora_groups._wide_products(rows, wide, (2.0,))
+    assert not lora_groups._wide_products(rows[:63], wide, (2.0,))  # rows < 4 per input
+    assert not lora_groups._wide_products(rows, [torch.empty(31, 16)], (2.0,))  # outputs < 2 per input
+    assert not lora_groups._wide_products(rows, wide, (0.3,))  # s B would round

@@ -6,7 +6,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sloth.ops.lora import fused_lora_forward, lora_linear
+from lightning_sloth.ops.lora import lora_linear
+from lightning_sloth.ops.lora_layers import fused_lora_forward
 
 N, IN, OUT, R = 37, 48, 40, 5
 SCALE = 1.7
@@ -137,7 +138,7 @@ def test_power_of_two_scale_as_alpha_gives_the_scaled_operands_values(dtype, sca
     dy = torch.randn(N, OUT, dtype=dtype)
     g = (dy @ lora_b) * scale
     want = ((dy @ weight).addmm_(g, lora_a), g.t() @ x, dy.t() @ (xa * scale))
-    assert lora_ops._exact_alpha(scale) and not lora_ops._exact_alpha(SCALE)
+    assert lora_ops.exact_alpha(scale) and not lora_ops.exact_alpha(SCALE)
     if overwrite_input:
         target = x.clone()
         da, db = lora_ops._lora_linear_backward_inplace_op(

@@ -26,7 +26,7 @@ from lightning_sloth.moe import COUNTS_ATTR, experts_forward, group_by_expert, r
 from lightning_sloth.moe.routing import ROUTERS
 from lightning_sloth.patching import apply_experts, apply_kernels, moe_families
 from lightning_sloth.plugins import ExpertLoadMonitor
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.transform import transform_model
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")

@@ -19,15 +19,15 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_sloth import offload
+from lightning_sloth.hf_model import find_decoder_layers
 from lightning_sloth.offload import (
     ActivationOffloader,
     HostBufferPool,
-    OffloadStatsCallback,
     apply_checkpointing,
-    find_decoder_layers,
     plan_layers,
     plan_peak_bytes,
 )
+from lightning_sloth.plugins import OffloadStatsCallback
 
 LAYERS, HIDDEN, BATCH, SEQ = 4, 64, 2, 33
 INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # one fp32 layer input
@@ -260,7 +260,7 @@ def test_transform_model_compile_true_compiles_the_checkpointed_layers(compile_a
     """compile=True (Hydra's sloth.compile=true) compiles every checkpointed layer: it once reached
     the layer runner as an empty dict of options, which read as "off" and compiled nothing."""
     from lightning_sloth.offload import checkpoint as checkpoint_module
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     requested = []
 

@@ -16,6 +16,7 @@ from lightning_sloth.ops.nf4 import (
     lora_linear_4bit,
     matmul_4bit,
 )
+from lightning_sloth.ops.nf4_formats import code_book, dynamic_code
 from lightning_sloth.quant import (
     Linear4bit,
     dequantize_4bit_reference,
@@ -24,7 +25,6 @@ from lightning_sloth.quant import (
     quantize_model,
     to_bnb,
 )
-from lightning_sloth.quant.formats import code_book, dynamic_code
 
 SHAPES = [(64, 64), (96, 130), (33, 7), (5, 3)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

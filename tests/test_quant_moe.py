@@ -15,10 +15,10 @@ from torch import nn
 
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
+from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.moe import group_by_expert
 from lightning_sloth.moe.quant import expert_storage, lora_grouped_mm_4bit, quantize_experts
 from lightning_sloth.patching import apply_experts
-from lightning_sloth.plugins import find_hf_model
 from lightning_sloth.quant import dequantize_4bit_reference, quantize_model
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
-from lightning_sloth.plugins import find_hf_model
+from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.quant import Linear4bit, load_quantized, quantize_model, random_quantized
 
 
@@ -145,7 +145,7 @@ def test_bitsandbytes_model_matches_peft_and_trains_without_requantising(tmp_pat
     import bitsandbytes as bnb
     from peft.tuners.lora.bnb import Linear4bit as BnbLoraLinear4bit
 
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     theirs = add_lora(_bnb_loaded(tmp_path))
     ours = copy.deepcopy(theirs)

@@ -10,8 +10,8 @@ from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sloth.data import PackedCollator
-from lightning_sloth.ops.lora import _UnreadSum, lora_linear
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.ops.lora import UnreadSum, lora_linear
+from lightning_sloth.transform import transform_model
 
 
 class _CountLoraForwards(TorchDispatchMode):
@@ -83,7 +83,7 @@ def test_unread_sum_has_the_gradients_of_residual_plus_lora_linear():
     weight = torch.randn(6, 12, generator=gen, dtype=torch.float64)
     grad = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad(residual + lora_linear(x, weight, a, b, 0.5), (residual, x, a, b), grad)
-    out = _UnreadSum.apply(residual, x, weight, a, b, 0.5, False)
+    out = UnreadSum.apply(residual, x, weight, a, b, 0.5, False)
     assert out.shape == residual.shape
     got = torch.autograd.grad(out, (residual, x, a, b), grad)
     for g, w in zip(got, want):

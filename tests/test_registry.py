@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sloth.ops import _registry
-from lightning_sloth.ops._registry import TRITON_OPS, register_flops, sloth_op, use_triton
+from lightning_sloth.ops import registry
+from lightning_sloth.ops.registry import TRITON_OPS, register_flops, sloth_op, use_triton
 
 
 @sloth_op("registry_test_scale")
@@ -37,7 +37,7 @@ def test_triton_ops_only_with_cuda():
 
 def test_interpreter_selects_the_custom_op_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _registry._triton_ops_usable() is False
+    assert registry._triton_ops_usable() is False
 
 
 def test_float64_never_goes_to_triton(monkeypatch):
@@ -67,7 +67,7 @@ def test_opcheck_compile_and_flops():
 def test_eager_calls_skip_the_library_path_and_match_it_exactly():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lightning_sloth.ops._registry import call
+    from lightning_sloth.ops.registry import call
     from lightning_sloth.ops.rms_norm import _rms_norm, rms_norm
 
     x = torch.randn(5, 24, requires_grad=True)

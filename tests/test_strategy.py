@@ -18,8 +18,9 @@ from lightning_sloth import (
     SlothThroughputMonitor,
 )
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
-from lightning_sloth.plugins import GradientFlowError, find_hf_model
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.plugins import GradientFlowError
+from lightning_sloth.transform import transform_model
 
 
 def _tiny_llama(vocab: int) -> LlamaForCausalLM:
@@ -132,7 +133,7 @@ def test_gradient_flow_guard_stops_a_run_with_zero_gradients(tmp_path, datamodul
 
 
 def test_strategy_needs_a_transformers_model():
-    with pytest.raises(TypeError, match="needs a LightningModule holding a transformers PreTrainedModel"):
+    with pytest.raises(TypeError, match="needs a transformers PreTrainedModel"):
         find_hf_model(torch.nn.Linear(2, 2))
 
 

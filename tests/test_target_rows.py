@@ -9,9 +9,9 @@ from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
 
 from lightning_sloth import CausalLMModule, LoraSettings
 from lightning_sloth.data import PackedCollator
-from lightning_sloth.patching import _forwards
-from lightning_sloth.patching._forwards import takes_target_count, target_rows
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.patching import _forwards, takes_target_count
+from lightning_sloth.patching._forwards import target_rows
+from lightning_sloth.transform import transform_model
 
 
 def _batch():
@@ -78,16 +78,16 @@ def test_the_module_passes_the_count_only_to_the_fused_loss():
 
 
 def test_the_bench_passes_the_count_to_one_row_steps_of_the_fused_loss():
-    from lightning_sloth import bench
-    from lightning_sloth.bench_systems import SUITE_SYSTEMS
+    from lightning_sloth.bench.measure import loss_kwargs
+    from lightning_sloth.bench.systems import SUITE_SYSTEMS
 
     patched = add_lora(tiny_llama(seed=0))
     transform_model(patched, kernels=True)
     one = [{"input_ids": None}]
-    assert bench.loss_kwargs(patched, one, 37) == {"num_target_tokens": 37}
-    assert bench.loss_kwargs(patched, one * 2, 37) == {}  # the count is the step's, not a row's
-    assert bench.loss_kwargs(patched, one, None) == {}
-    assert bench.loss_kwargs(add_lora(tiny_llama(seed=0)), one, 37) == {}  # transformers' own loss
+    assert loss_kwargs(patched, one, 37) == {"num_target_tokens": 37}
+    assert loss_kwargs(patched, one * 2, 37) == {}  # the count is the step's, not a row's
+    assert loss_kwargs(patched, one, None) == {}
+    assert loss_kwargs(add_lora(tiny_llama(seed=0)), one, 37) == {}  # transformers' own loss
     patched._sloth_loss_all_rows = True  # the ablation system's switch
-    assert bench.loss_kwargs(patched, one, 37) == {}
+    assert loss_kwargs(patched, one, 37) == {}
     assert {"sloth_kernels_loss_all_rows", "sloth_kernels_full_recompute"} <= set(SUITE_SYSTEMS)

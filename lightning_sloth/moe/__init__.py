@@ -5,8 +5,8 @@ Rooms:
 - :mod:`.routing`: per-family routers and :func:`group_by_expert` (sort, counts, int32 ends);
 - :mod:`.gemm`: the grouped GEMM ops, with and without per-expert LoRA;
 - :mod:`.ops`: the other ``sloth::moe_*`` ops (gather, activations, combine);
-- :mod:`.experts`: family layouts and the "sloth" experts forward for transformers'
-  ``ExpertsInterface``;
+- :mod:`.layouts`: how each family stores its experts, and the names the "sloth" experts go by;
+- :mod:`.experts`: the "sloth" experts forward for transformers' ``ExpertsInterface``;
 - :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights;
 - :mod:`.quant`: 4-bit expert weights (``SlothPrecision(quantize=...)``) and the grouped GEMM
   that dequantises them into a reusable buffer, forward and backward.
@@ -18,17 +18,9 @@ transformers' experts); by hand::
     apply_experts(model)   # registers "sloth", selects it, routes PEFT expert LoRA through it
 """
 
-from lightning_sloth.moe.experts import (
-    COUNTS_ATTR,
-    EXPERTS_NAME,
-    LAYOUTS,
-    ExpertLayout,
-    LoraFactors,
-    experts_forward,
-    layout_of,
-    register,
-)
+from lightning_sloth.moe.experts import LoraFactors, experts_forward, register
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
+from lightning_sloth.moe.layouts import COUNTS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
 from lightning_sloth.moe.peft import expert_lora_factors, install_lora_experts, uninstall_lora_experts
 from lightning_sloth.moe.routing import ROUTERS, Grouping, group_by_expert

@@ -1,17 +1,11 @@
-"""The "sloth" experts implementation: family layouts, the grouped expert forward, LoRA on the experts.
+"""The "sloth" experts implementation: the grouped expert forward and LoRA on the experts.
 
 transformers 5.x keeps a MoE layer's experts as one module with 3-D weights and dispatches its
 forward through ``ExpertsInterface`` by ``config._experts_implementation``. :func:`register` adds
 "sloth" there; the function receives ``(experts, hidden_states [T, H], top_k_index [T, k],
 top_k_weights [T, k])`` from transformers' own router and block.
 
-Layouts (:data:`LAYOUTS`)::
-
-    qwen3_moe, mixtral  gate_up_proj [E, 2I, H]  gate rows then up rows   down_proj [E, H, I]
-                        act = silu(gate) * up
-    gpt_oss             gate_up_proj [E, H, 2I]  gate/up interleaved      down_proj [E, I, H]
-                        + gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
-                        act = (clamp(up, -l, l) + 1) * g sigmoid(alpha g),  g = min(gate, l)
+The family layouts are in :mod:`lightning_sloth.moe.layouts`.
 
 LoRA on the experts (PEFT's ``target_parameters``) never builds a delta weight: with factors
 ``A_e [r, in]``, ``B_e [out, r]`` and scale ``s`` the projection is computed as
@@ -26,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
+from lightning_sloth.moe.layouts import COUNTS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
 from lightning_sloth.moe.quant import expert_storage, lora_grouped_mm_4bit
 from lightning_sloth.moe.routing import group_by_expert
@@ -40,56 +35,7 @@ __all__ = [
     "register",
 ]
 
-EXPERTS_NAME = "sloth"
-"""The name in transformers' ``ExpertsInterface``."""
-
-COUNTS_ATTR = "_sloth_expert_counts"
-"""Attribute on each experts module holding the last forward's int32 ``[E]`` rows per expert
-(a device tensor, read by the expert-load callback)."""
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How one family stores and activates its experts.
-
-    Attributes:
-        transposed: weights are ``[E, in, out]`` (``y = x W_e``); else ``[E, out, in]``.
-        interleaved: gate/up columns alternate (GPT-OSS); else gate then up.
-        bias: the experts have ``gate_up_proj_bias`` and ``down_proj_bias``.
-        clamped: GPT-OSS's clamped activation (alpha and limit from the module); else
-            ``act_fn(gate) * up``.
-    """
-
-    transposed: bool
-    interleaved: bool
-    bias: bool
-    clamped: bool
-
-
-LAYOUTS: dict[str, ExpertLayout] = {
-    "qwen3_moe": ExpertLayout(transposed=False, interleaved=False, bias=False, clamped=False),
-    "mixtral": ExpertLayout(transposed=False, interleaved=False, bias=False, clamped=False),
-    "gpt_oss": ExpertLayout(transposed=True, interleaved=True, bias=True, clamped=True),
-}
-"""``config.model_type`` -> :class:`ExpertLayout`."""
-
 _SILU = ("silu", "swish")
-
-
-def layout_of(experts: nn.Module) -> ExpertLayout:
-    """The layout of a transformers experts module, from its config's ``model_type``.
-
-    Raises:
-        NotImplementedError: the family has no layout here (names it and the supported list).
-    """
-    model_type = getattr(getattr(experts, "config", None), "model_type", None)
-    layout = LAYOUTS.get(model_type)
-    if layout is None:
-        raise NotImplementedError(
-            f"the 'sloth' experts do not support MoE family {model_type!r} "
-            f"({type(experts).__name__}); supported: {sorted(LAYOUTS)}"
-        )
-    return layout
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops._registry import (
+from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
     register_autograd,

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops._registry import (
+from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
     register_autograd,

@@ -29,7 +29,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_sloth.moe.experts import LAYOUTS, LoraFactors, experts_forward
+from lightning_sloth.moe.experts import LoraFactors, experts_forward
+from lightning_sloth.moe.layouts import LAYOUTS
 from lightning_sloth.moe.quant import expert_storage
 
 __all__ = ["expert_lora_factors", "install_lora_experts", "lora_experts_forward", "uninstall_lora_experts"]

@@ -1,7 +1,7 @@
 """4-bit expert weights: storage on the experts module and the grouped GEMM over it.
 
 :func:`quantize_experts` stores a MoE layer's frozen 3-D ``gate_up_proj`` / ``down_proj`` in the
-bitsandbytes layout of :mod:`lightning_sloth.quant.formats` (NF4 / NF4-DQ / FP4, blocks of 64 over
+bitsandbytes layout of :mod:`lightning_sloth.ops.nf4_formats` (NF4 / NF4-DQ / FP4, blocks of 64 over
 the flattened ``[E, ., .]`` tensor). The parameter keeps its name and holds the packed ``uint8``
 codes; the block scales and code books sit beside it as ``int32`` buffers holding float32 bits
 (``<name>_absmax``, ``<name>_code``, ...), so a dtype cast of the model never rounds them.
@@ -31,9 +31,10 @@ from lightning_sloth.moe.gemm import (
     _lora_grouped_mm_backward_op,
     _lora_grouped_mm_op,
 )
-from lightning_sloth.ops._registry import call, register_autograd, register_flops, sloth_op
+from lightning_sloth.moe.layouts import EXPERTS_NAME
+from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
-from lightning_sloth.quant.formats import (
+from lightning_sloth.ops.nf4_formats import (
     Packed4bit,
     check_quant_type,
     code_book,
@@ -69,7 +70,7 @@ def quantize_experts(
     """Store ``experts``' 3-D ``gate_up_proj`` and ``down_proj`` in 4 bits, in place (frozen).
 
     Args:
-        experts: a transformers experts module of a family in ``moe.LAYOUTS``.
+        experts: a transformers experts module of a family in :data:`~lightning_sloth.moe.layouts.LAYOUTS`.
         quant_type: ``"nf4"``, ``"nf4-dq"`` or ``"fp4"``.
         device: where to quantise (default: where each weight is).
 
@@ -163,8 +164,6 @@ def model_expert_formats(model: nn.Module) -> dict[str, str]:
 
 def _require_sloth_experts(experts: nn.Module, args) -> None:
     """Only the "sloth" experts read 4-bit storage: any other implementation would see uint8 codes."""
-    from lightning_sloth.moe.experts import EXPERTS_NAME
-
     selected = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if selected != EXPERTS_NAME:
         raise RuntimeError(

@@ -19,7 +19,7 @@ Two more savings, each with a switch on the controller: the node of the layer fe
 plain input embedding keeps the token ids and looks the embedding up again in its backward
 (``rebuild_embedding``; one ``[tokens, hidden]`` tensor less held through the step), and each
 layer's fused LoRA layers take their adapters from one grouped cast per pass under autocast
-(``group_adapter_casts``; see :func:`lightning_sloth.ops.lora.adapter_casts`). The node's recompute
+(``group_adapter_casts``; see :func:`lightning_sloth.ops.lora_layers.adapter_casts`). The node's recompute
 skips what only the layer output's values need, the fused LoRA ``down_proj``'s base product and
 the residual add (``skip_unread_output``; see
 :func:`lightning_sloth.patching._forwards.layer_output_unread`).
@@ -43,10 +43,12 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
+from lightning_sloth.hf_model import find_decoder_layers, unwrap_compiled
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
-from lightning_sloth.ops.lora import adapter_casts, grouped_projections, shared_input_groups
-from lightning_sloth.patching._forwards import layer_output_unread
+from lightning_sloth.ops.lora_groups import grouped_projections, shared_input_groups
+from lightning_sloth.ops.lora_layers import adapter_casts
+from lightning_sloth.patching import layer_output_unread, patched_op
 
 log = logging.getLogger(__name__)
 
@@ -183,40 +185,6 @@ class _EmbeddingWatch:
         return type(module.weight) in (Tensor, nn.Parameter) and not module._forward_pre_hooks
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, "_orig_mod", module)  # torch.compile(layer) wraps it
-
-
-def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a transformers model, plain or PEFT-wrapped.
-
-    Looks for ``nn.ModuleList`` s of ``GradientCheckpointingLayer`` s (entries wrapped by
-    ``torch.compile`` count): the one under ``model.get_decoder()`` when there are several,
-    else the longest.
-    """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    def stacks(root: nn.Module) -> list[nn.ModuleList]:
-        return [
-            m
-            for m in root.modules()
-            if isinstance(m, nn.ModuleList)
-            and len(m) > 0
-            and all(isinstance(_unwrap(layer), GradientCheckpointingLayer) for layer in m)
-        ]
-
-    found = stacks(model)
-    if not found:
-        raise TypeError(
-            f"{type(model).__name__} has no nn.ModuleList of transformers GradientCheckpointingLayer "
-            "modules; apply_checkpointing supports transformers decoder models"
-        )
-    if len(found) > 1 and hasattr(model, "get_decoder"):
-        decoder = stacks(model.get_decoder())
-        found = decoder or found
-    return max(found, key=len)
-
-
 class CheckpointedLayers:
     """The decoder layers under lightning_sloth's checkpointing, with their plan and offloader.
 
@@ -270,17 +238,15 @@ class CheckpointedLayers:
         self._compiled = torch.compile(_call_layer, **options) if compiled else None
         self._embedding = self._watch_embedding() if checkpoint_impl == "node" else None
         # Each layer's fused LoRA layers, for one grouped cast of their adapters per pass (eager only).
-        from lightning_sloth.patching._forwards import patched_op
-
         self._adapters = [[m for m in layer.modules() if patched_op(m) == "lora"] for layer in self.layers]
         self.group_adapter_casts = True
         """Each layer's fused LoRA layers take their adapters from one grouped cast per pass
-        (:func:`lightning_sloth.ops.lora.adapter_casts`); ``False``: two casts per call, as before."""
+        (:func:`lightning_sloth.ops.lora_layers.adapter_casts`); ``False``: two casts per call, as before."""
         self._groups = [shared_input_groups(layer) for layer in self.layers]
         self.group_projections = True
         """Each layer's LoRA layers that read one input (q/k/v, gate/up) compute as one node that
         reads x once for their ``x A^T`` and ``dA`` and accumulates ``dx`` in the products'
-        epilogues (:func:`lightning_sloth.ops.lora.grouped_projections`; eager only, and only where
+        epilogues (:func:`lightning_sloth.ops.lora_groups.grouped_projections`; eager only, and only where
         every layer of a group is a plain LoRA layer); ``False``: one node per layer."""
         self.skip_unread_output = True
         """The node's recompute skips what only the layer output's values need (the fused LoRA
@@ -483,7 +449,7 @@ class CheckpointedLayers:
             self._embedding.handle.remove()
             self._embedding = None
         for layer in self.layers:
-            layer = _unwrap(layer)
+            layer = unwrap_compiled(layer)
             layer.gradient_checkpointing = False
             layer.__dict__.pop("_gradient_checkpointing_func", None)
 
@@ -567,7 +533,7 @@ def apply_checkpointing(
         model, offloader, plan, memory_budget, compile_layers, checkpoint_impl, cuda_graphs
     )
     for index, layer in enumerate(controller.layers):
-        layer = _unwrap(layer)
+        layer = unwrap_compiled(layer)
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = partial(controller.run_layer, index)
     return controller

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.patching._forwards import layer_output_unread
+from lightning_sloth.patching import layer_output_unread
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
 from lightning_sloth.offload.host_pool import HostBufferPool, _available_host_bytes
@@ -365,31 +364,3 @@ _COUNTERS = (
     "fetched_on_demand",
     "prefetch_skipped",
 )
-
-
-class OffloadStatsCallback(Callback):
-    """Logs :meth:`ActivationOffloader.stats` as ``offload/<key>`` every ``log_every_n_steps``.
-
-    Args:
-        offloader: the offloader to watch (default: ``trainer.strategy.offloader``).
-    """
-
-    def __init__(self, offloader: ActivationOffloader | None = None) -> None:
-        self.offloader = offloader
-        self._logged_step = -1
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
-    ) -> None:
-        offloader = self.offloader or getattr(trainer.strategy, "offloader", None)
-        step = trainer.global_step
-        if (
-            offloader is None
-            or not offloader.enabled
-            or step % trainer.log_every_n_steps
-            or step == self._logged_step
-        ):
-            return
-        self._logged_step = step  # once per optimizer step, however many micro-batches it took
-        stats = offloader.stats(reset=True)
-        pl_module.log_dict({f"offload/{k}": v for k, v in stats.items()}, on_step=True, batch_size=1)

@@ -26,7 +26,7 @@ transformers' ``ForCausalLMLoss`` does for gradient accumulation.
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops._registry import TRITON_OPS, register_flops, sloth_op, use_triton
+from lightning_sloth.ops.registry import TRITON_OPS, register_flops, sloth_op, use_triton
 
 if TRITON_OPS:
     from lightning_sloth.kernels.cross_entropy import cross_entropy_rows_

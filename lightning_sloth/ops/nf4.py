@@ -2,7 +2,7 @@
 ``sloth::matmul_4bit_t`` and the LoRA layer ``sloth::lora_linear_4bit``.
 
 The 4-bit weight (NF4/FP4 codes, two per byte, float32 block scales: the bitsandbytes layout, see
-``lightning_sloth.quant.formats``) is frozen. The LoRA layer dequantises it into a scratch buffer
+``lightning_sloth.ops.nf4_formats``) is frozen. The LoRA layer dequantises it into a scratch buffer
 that is reused by every call of the same shape, dtype and device, then runs the same products as
 ``sloth::lora_linear``::
 
@@ -39,7 +39,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops._registry import (
+from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
     register_autograd,

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from lightning_sloth.ops._registry import (
+from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
     register_autograd,

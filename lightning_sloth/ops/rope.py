@@ -11,7 +11,7 @@ is supported: they only change how that module computes cos/sin. cos/sin receive
 
 import torch
 
-from lightning_sloth.ops._registry import (
+from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
     register_autograd,

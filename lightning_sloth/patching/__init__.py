@@ -7,10 +7,13 @@ Typical use (``SlothStrategy(kernels=..., compile=...)`` does this at ``setup``)
     compile_blocks(model, fullgraph=True)                               # each decoder layer
 
 Which module class gets which op is one table, :data:`FAMILIES` (``families.py``); the replacement
-forwards, one per op, are in ``_forwards.py``.
+forwards, one per op, are in ``_forwards.py``. Other rooms read what is installed through
+:func:`patched_op`, and tell the patched decoder layers that their output goes unread (a
+checkpoint's recompute) with :func:`layer_output_unread`.
 """
 
 from lightning_sloth.patching._apply import OPS, KernelSettings, PatchReport, apply_kernels, unpatch
+from lightning_sloth.patching._forwards import layer_output_unread, patched_op, takes_target_count
 from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
 from lightning_sloth.patching.experts import ExpertsReport, apply_experts, moe_families
 from lightning_sloth.patching.families import FAMILIES, Family, NormStyle
@@ -27,6 +30,9 @@ __all__ = [
     "apply_kernels",
     "compile_blocks",
     "decoder_blocks",
+    "layer_output_unread",
     "moe_families",
+    "patched_op",
+    "takes_target_count",
     "unpatch",
 ]

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
-from transformers import PreTrainedModel
 
+from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
 from lightning_sloth.patching.families import FAMILIES, Family
 
@@ -120,14 +120,6 @@ class PatchReport:
         return text
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model itself: under a PEFT wrapper or inside e.g. a LightningModule."""
-    get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model):
-        return get_base_model()
-    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-
-
 class _Row(NamedTuple):
     """One op of the plan: the classes it applies to and the forward a matching module gets."""
 
@@ -226,7 +218,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
             f"apply_kernels takes an nn.Module (transformers or PEFT model), got {type(model).__name__}"
         )
     settings = KernelSettings() if settings is None else KernelSettings.coerce(settings)
-    base = _base_model(model)
+    base = base_model(model)
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)

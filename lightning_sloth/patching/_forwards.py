@@ -30,9 +30,11 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
-from lightning_sloth.ops.lora import fused_lora_forward, group_output
+from lightning_sloth.ops.lora_groups import group_output
+from lightning_sloth.ops.lora_layers import fused_lora_forward
 from lightning_sloth.ops.rms_norm import add_rms_norm, rms_norm
 from lightning_sloth.ops.rope import apply_rope
 from lightning_sloth.patching.families import Family, NormStyle, RopeLayout
@@ -361,8 +363,6 @@ def _fusable(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | Non
 def takes_target_count(model: nn.Module) -> bool:
     """Whether the transformers model inside ``model`` (plain or PEFT-wrapped) computes its loss with
     the fused forward, which takes ``num_target_tokens`` (:func:`causal_lm_forward`)."""
-    from lightning_sloth.plugins.strategy import find_hf_model
-
     try:
         return patched_op(find_hf_model(model)) == "cross_entropy"
     except TypeError:  # no transformers model inside

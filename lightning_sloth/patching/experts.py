@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from lightning_sloth.hf_model import base_model
+from lightning_sloth.moe import EXPERTS_NAME, install_lora_experts, register, uninstall_lora_experts
+from lightning_sloth.moe.routing import ROUTERS, router_logits
 from lightning_sloth.patching import _forwards
-from lightning_sloth.patching._apply import _base_model
 from lightning_sloth.patching.families import FAMILIES
 
 log = logging.getLogger(__name__)
@@ -66,9 +68,7 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
             (names the family and the supported list).
         ValueError: ``num_experts_per_tok`` exceeds the number of experts.
     """
-    from lightning_sloth.moe import EXPERTS_NAME, install_lora_experts, register, uninstall_lora_experts
-
-    base = _base_model(model)
+    base = base_model(model)
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
     report = ExpertsReport(model_type=model_type)
@@ -124,8 +124,6 @@ def router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tens
 
     Returns ``(router_logits [T, E] float32, weights [T, k], index [T, k])`` like the class's.
     """
-    from lightning_sloth.moe.routing import ROUTERS, router_logits
-
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     logits = router_logits(hidden_states, self.weight, getattr(self, "bias", None))
     weights, index = ROUTERS[self._sloth_model_type](logits, self._sloth_config)

@@ -11,6 +11,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.moe import COUNTS_ATTR
+from lightning_sloth.offload import ActivationOffloader
+from lightning_sloth.plugins.sharding import full_state_dict
+
 log = logging.getLogger(__name__)
 
 
@@ -87,9 +92,6 @@ class SaveAdapter(Callback):
         self.dirpath = Path(dirpath)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_sloth.plugins.sharding import full_state_dict
-        from lightning_sloth.plugins.strategy import find_hf_model
-
         model = getattr(pl_module, "model", None)
         if model is None or not hasattr(model, "save_pretrained"):
             model = find_hf_model(pl_module)
@@ -123,8 +125,6 @@ class ExpertLoadMonitor(Callback):
     @staticmethod
     def expert_counts(module: torch.nn.Module) -> list[torch.Tensor]:
         """The last forward's rows per expert of every MoE layer under ``module``, in layer order."""
-        from lightning_sloth.moe import COUNTS_ATTR
-
         return [c for m in module.modules() if (c := getattr(m, COUNTS_ATTR, None)) is not None]
 
     @staticmethod
@@ -159,3 +159,31 @@ class ExpertLoadMonitor(Callback):
                     logger.experiment.add_histogram(
                         f"moe/expert_load/layer_{i}", ids, trainer.global_step, bins=c.numel()
                     )
+
+
+class OffloadStatsCallback(Callback):
+    """Logs :meth:`ActivationOffloader.stats` as ``offload/<key>`` every ``log_every_n_steps``.
+
+    Args:
+        offloader: the offloader to watch (default: ``trainer.strategy.offloader``).
+    """
+
+    def __init__(self, offloader: ActivationOffloader | None = None) -> None:
+        self.offloader = offloader
+        self._logged_step = -1
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        offloader = self.offloader or getattr(trainer.strategy, "offloader", None)
+        step = trainer.global_step
+        if (
+            offloader is None
+            or not offloader.enabled
+            or step % trainer.log_every_n_steps
+            or step == self._logged_step
+        ):
+            return
+        self._logged_step = step  # once per optimizer step, however many micro-batches it took
+        stats = offloader.stats(reset=True)
+        pl_module.log_dict({f"offload/{k}": v for k, v in stats.items()}, on_step=True, batch_size=1)

@@ -91,7 +91,7 @@ class SlothPrecision(Precision):
     ) -> None:
         self.quantize = quantize
         if quantize is not None:
-            from lightning_sloth.quant.formats import check_quant_type
+            from lightning_sloth.ops.nf4_formats import check_quant_type
 
             check_quant_type(quantize)
         if isinstance(quantize_skip, str):
@@ -116,7 +116,7 @@ class SlothPrecision(Precision):
 
 def _precision_and_quantize(precision: str, quantize: str | None) -> tuple[str, str | None]:
     """``("auto", "nf4")`` for ``precision="nf4"``; raises when both name a quantisation."""
-    from lightning_sloth.quant.formats import QUANT_TYPES
+    from lightning_sloth.ops.nf4_formats import QUANT_TYPES
 
     if precision in QUANT_TYPES:
         if quantize is not None:

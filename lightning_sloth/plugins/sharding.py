@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sloth.hf_model import find_decoder_layers
+from lightning_sloth.quant import quantize_model
+
 
 class ShardingError(ValueError):
     """The model, precision or launch cannot be sharded by ``SlothFSDPStrategy``."""
@@ -75,8 +78,6 @@ def convert_before_sharding(precision_plugin, module: nn.Module, device: torch.d
     quantize = getattr(precision_plugin, "quantize", None)
     quantized = 0
     if quantize is not None:
-        from lightning_sloth.quant import quantize_model
-
         quantized = len(quantize_model(module, quantize, precision_plugin.quantize_skip, device=device))
     if quantize is not None or precision_plugin.precision.endswith("-true"):
         precision_plugin.convert_module(module)
@@ -85,8 +86,6 @@ def convert_before_sharding(precision_plugin, module: nn.Module, device: torch.d
 
 def shardable_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers ``fully_shard`` wraps one by one (:func:`find_decoder_layers`)."""
-    from lightning_sloth.offload import find_decoder_layers
-
     try:
         return find_decoder_layers(model)
     except TypeError as error:

@@ -1,13 +1,9 @@
 """``SlothStrategy``: transforms the model once at ``setup``, then lets Lightning place and wrap it.
 
-At ``setup(trainer)`` — after ``configure_model``, before DDP wrapping — the strategy finds the
-transformers model inside the LightningModule and applies, in place (:func:`transform_model`):
-
-1. Triton kernels as torch.library ops, per model family (``lightning_sloth.patching``);
-2. packed attention ("sloth" in transformers' ``AttentionInterface``) and ``use_cache=False``;
-3. per-layer non-reentrant activation checkpointing, with the activation offloader's hooks
-   around each checkpoint and an optional per-layer memory plan (``lightning_sloth.offload``);
-4. regional ``torch.compile`` of each decoder layer.
+At ``setup(trainer)`` — after ``configure_model``, before DDP wrapping — the strategy applies
+:func:`lightning_sloth.transform.transform_model` to the transformers model inside the
+LightningModule, in place: kernels, MoE experts, packed attention, checkpointing with the
+offloader's hooks, regional compile or CUDA graphs.
 
 Placement, precision conversion and DDP wrapping are Lightning's own: ``SlothStrategy`` extends
 ``SingleDeviceStrategy`` and ``SlothDDPStrategy`` extends ``DDPStrategy``. ``SlothFSDPStrategy``
@@ -19,8 +15,6 @@ on the decoder layers (small consecutive layers share a unit), then the root
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,130 +25,21 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from torch import nn
+
+from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.plugins.sharding import (
+    ShardingError,
+    check_layers_per_unit,
+    convert_before_sharding,
+    full_state_dict,
+    mixed_precision_policy,
+    shard_model,
+    shardable_layers,
+)
+from lightning_sloth.quant import check_checkpoint_quantization
+from lightning_sloth.transform import SlothReport, transform_model
 
 log = logging.getLogger(__name__)
-
-
-def find_hf_model(module: nn.Module) -> nn.Module:
-    """The outermost transformers ``PreTrainedModel`` inside ``module`` (PEFT wrappers see through)."""
-    from transformers import PreTrainedModel
-
-    for sub in module.modules():
-        if isinstance(sub, PreTrainedModel):
-            return sub
-    raise TypeError(
-        f"SlothStrategy needs a LightningModule holding a transformers PreTrainedModel; "
-        f"none found in {type(module).__name__}"
-    )
-
-
-@dataclass
-class SlothReport:
-    """What :func:`transform_model` applied (logged once by the strategy)."""
-
-    applied: list[str] = field(default_factory=list)
-    kernels: Any = None
-    experts: Any = None
-    checkpointing: Any = None
-    offloader: Any = None
-
-
-def transform_model(
-    model: nn.Module,
-    *,
-    packed_attention: bool = True,
-    gradient_checkpointing: bool = True,
-    kernels: Any = None,
-    offload: str = "off",
-    memory_budget: int | str | None = None,
-    compile: bool | dict = False,
-    moe: bool = True,
-    checkpoint_impl: str = "node",
-    cuda_graphs: bool = False,
-) -> SlothReport:
-    """Apply lightning_sloth's transformations to a transformers model, in place.
-
-    Order: kernels (replace module forwards) -> packed attention -> checkpointing with the
-    offloader's hooks around it -> regional compile of each decoder layer (inside the checkpoint
-    when checkpointing, so the checkpoint and hooks stay eager).
-
-    Args:
-        model: a module holding a transformers ``PreTrainedModel`` (plain, PEFT-wrapped, or inside
-            a LightningModule); LoRA layers injected by PEFT live inside it and are patched too.
-        packed_attention: register and select the "sloth" packed attention.
-        gradient_checkpointing: non-reentrant checkpointing of every decoder layer.
-        kernels: ``KernelSettings``, a dict of its fields, ``True`` (all kernels) or
-            ``None``/``False`` (none).
-        offload: ``"off"``, ``"on"`` or ``"auto"``: checkpointed layer inputs to pinned host memory.
-        memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
-        compile: ``torch.compile`` each decoder layer (``True`` or compile kwargs).
-        moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
-            ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
-            ``False`` keeps transformers' experts implementation. Dense models ignore it.
-        checkpoint_impl: ``"node"`` (the default: each checkpointed layer one autograd node,
-            less host time per layer; see ``lightning_sloth.offload.checkpoint``) or ``"torch"``
-            (torch's non-reentrant checkpoint per layer).
-        cuda_graphs: replay each checkpointed layer's forward and its recompute + backward as
-            CUDA graphs (one device; static shapes: ``PackedCollator(pad_to="max_tokens",
-            segments_bucket="pow2")``; no dropout). Needs ``gradient_checkpointing`` and the node.
-    """
-    report = SlothReport()
-    hf_model = find_hf_model(model)
-    hf_model.config.use_cache = False
-    if kernels:
-        from lightning_sloth.patching import KernelSettings, apply_kernels
-
-        if kernels is True:
-            kernels = KernelSettings()
-        elif isinstance(kernels, Mapping):
-            kernels = KernelSettings(**kernels)
-        report.kernels = apply_kernels(hf_model, kernels)
-        report.applied.append("kernels")
-    from lightning_sloth.patching.experts import apply_experts
-
-    report.experts = apply_experts(hf_model, enabled=moe)
-    if moe and report.experts.experts:
-        report.applied.append("moe experts")
-    if packed_attention:
-        from lightning_sloth.attention import enable_packed_attention
-
-        enable_packed_attention(hf_model)
-        report.applied.append("packed attention")
-    compile_kwargs = (compile if isinstance(compile, Mapping) else {}) if compile else None
-    if offload not in ("off", "on", "auto"):
-        raise ValueError(f"offload must be 'off', 'on' or 'auto', got {offload!r}")
-    if cuda_graphs and not gradient_checkpointing:
-        raise ValueError("cuda_graphs needs gradient_checkpointing=True (it graphs the checkpointed layers)")
-    if offload != "off" and not gradient_checkpointing:
-        raise ValueError(
-            "offload needs gradient_checkpointing=True (it offloads the checkpointed layer inputs)"
-        )
-    if gradient_checkpointing:
-        from lightning_sloth.offload import ActivationOffloader, apply_checkpointing
-
-        if offload != "off":
-            report.offloader = ActivationOffloader(offload)
-            if report.offloader.enabled:
-                report.applied.append(f"activation offload ({offload})")
-        report.checkpointing = apply_checkpointing(
-            hf_model,
-            offloader=report.offloader,
-            memory_budget=memory_budget,
-            compile_layers=compile_kwargs if compile_kwargs is not None else False,
-            checkpoint_impl=checkpoint_impl,
-            cuda_graphs=cuda_graphs,
-        )
-        report.applied.append("activation checkpointing" + (" + memory plan" if memory_budget else ""))
-        if cuda_graphs:
-            report.applied.append("CUDA graphs")
-    elif compile_kwargs is not None:
-        from lightning_sloth.patching import compile_blocks
-
-        compile_blocks(hf_model, **compile_kwargs)
-    if compile_kwargs is not None:
-        report.applied.append("regional compile")
-    return report
 
 
 class _SlothSetup:
@@ -211,8 +96,6 @@ class _SlothSetup:
         )
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        from lightning_sloth.quant.linear import check_checkpoint_quantization
-
         # A sharded (FSDP2) checkpoint is loaded into the model by the strategy itself: no flat state dict.
         if "state_dict" in checkpoint:
             check_checkpoint_quantization(self.lightning_module, checkpoint["state_dict"])
@@ -310,8 +193,6 @@ class _ShardedSpawnLauncher(_MultiProcessingLauncher):
     loaded into the main process's plain module)."""
 
     def _collect_rank_zero_results(self, trainer, results):
-        from lightning_sloth.plugins.sharding import full_state_dict
-
         module = trainer.lightning_module
         weights = full_state_dict(module)  # a collective: every rank takes part
         module.state_dict = lambda *args, **kwargs: weights
@@ -382,8 +263,6 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         layers_per_unit: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from lightning_sloth.plugins.sharding import ShardingError, check_layers_per_unit
-
         super().__init__(*args, **kwargs)
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
@@ -400,8 +279,6 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             self.layers_per_unit = 1
 
     def _configure_launcher(self) -> None:
-        from lightning_sloth.plugins.sharding import ShardingError
-
         if self.num_nodes * self.num_processes < 2:
             raise ShardingError(
                 "sloth_fsdp shards the model over several processes but this run has one device; "
@@ -421,13 +298,6 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
 
     def apply_transformations(self) -> SlothReport:
         """Transform, quantise / convert to a true half dtype if asked, then ``fully_shard`` (in this order)."""
-        from lightning_sloth.plugins.sharding import (
-            convert_before_sharding,
-            mixed_precision_policy,
-            shard_model,
-            shardable_layers,
-        )
-
         policy = mixed_precision_policy(self.precision_plugin.precision)
         hf_model = find_hf_model(self.lightning_module)
         shardable_layers(hf_model)  # refuse before transforming anything

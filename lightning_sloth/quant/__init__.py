@@ -1,20 +1,21 @@
-"""4-bit base weights for QLoRA: storage formats, the 4-bit linear layer, quantise-while-loading.
+"""4-bit base weights for QLoRA: the 4-bit linear layer, quantise-while-loading, merging back.
 
 The precision plugin (``lightning_sloth.plugins.SlothPrecision(quantize=...)``) is the face; this
 room holds what sits behind it:
 
-- :mod:`~lightning_sloth.quant.formats`: NF4 / NF4-DQ / FP4 storage in the bitsandbytes layout,
-  quantise and dequantise in plain torch, conversion to and from bitsandbytes' ``QuantState``;
 - :mod:`~lightning_sloth.quant.linear`: :class:`Linear4bit`, :func:`quantize_model` and its inverse
   :func:`dequantize_model` (in place; merging and export);
 - :mod:`~lightning_sloth.quant.lora`: the PEFT LoRA forward over a 4-bit base (``sloth::lora_linear_4bit``);
 - :mod:`~lightning_sloth.quant.loading`: build a model on the meta device and fill it shard by
   shard, quantising each weight as it arrives.
 
-The kernels are ``lightning_sloth.kernels.nf4`` behind the ops of ``lightning_sloth.ops.nf4``.
+The storage formats (NF4 / NF4-DQ / FP4 in the bitsandbytes layout, quantise and dequantise in plain
+torch, conversion to and from bitsandbytes' ``QuantState``) are :mod:`lightning_sloth.ops.nf4_formats`,
+below this room because the MoE experts read them too; the kernels are ``lightning_sloth.kernels.nf4``
+behind the ops of ``lightning_sloth.ops.nf4``.
 """
 
-from lightning_sloth.quant.formats import (
+from lightning_sloth.ops.nf4_formats import (
     QUANT_TYPES,
     Packed4bit,
     dequantize_4bit_reference,
@@ -22,7 +23,13 @@ from lightning_sloth.quant.formats import (
     quantize_4bit,
     to_bnb,
 )
-from lightning_sloth.quant.linear import Linear4bit, dequantize_model, four_bit_storage, quantize_model
+from lightning_sloth.quant.linear import (
+    Linear4bit,
+    check_checkpoint_quantization,
+    dequantize_model,
+    four_bit_storage,
+    quantize_model,
+)
 from lightning_sloth.quant.loading import load_quantized, random_quantized
 from lightning_sloth.quant.lora import lora_4bit_forward
 
@@ -30,6 +37,7 @@ __all__ = [
     "QUANT_TYPES",
     "Linear4bit",
     "Packed4bit",
+    "check_checkpoint_quantization",
     "dequantize_4bit_reference",
     "dequantize_model",
     "four_bit_storage",

@@ -18,8 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sloth.moe.layouts import LAYOUTS
+from lightning_sloth.moe.quant import (
+    EXPERT_WEIGHTS,
+    dequantize_experts,
+    expert_formats,
+    model_expert_formats,
+    quantize_experts,
+)
 from lightning_sloth.ops.nf4 import lora_linear_4bit
-from lightning_sloth.quant.formats import (
+from lightning_sloth.ops.nf4_formats import (
     Packed4bit,
     check_quant_type,
     dequantize_4bit_reference,
@@ -266,10 +274,7 @@ def quantize_model(
 
 
 def _quantize_experts(name: str, module: nn.Module, quant_type: str, device) -> list[str]:
-    """4-bit storage for a MoE layer's 3-D expert weights (the families of ``moe.LAYOUTS``)."""
-    from lightning_sloth.moe.experts import LAYOUTS
-    from lightning_sloth.moe.quant import EXPERT_WEIGHTS, quantize_experts
-
+    """4-bit storage for a MoE layer's 3-D expert weights (the families of :data:`~lightning_sloth.moe.layouts.LAYOUTS`)."""
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     dense = {p for p, v in module.named_parameters(recurse=False) if v.dim() == 3}
     if model_type not in LAYOUTS or not dense <= set(EXPERT_WEIGHTS):
@@ -303,8 +308,6 @@ def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) 
     checkpoint written by a run with another ``quantize`` setting would otherwise fail with a list
     of shape mismatches, or (same shapes, e.g. nf4 against fp4 experts) load silently.
     """
-    from lightning_sloth.moe.quant import expert_formats, model_expert_formats
-
     saved = {
         key.removesuffix("._extra_state"): value["quant_type"]
         for key, value in state_dict.items()
@@ -347,8 +350,6 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> li
     Returns:
         The qualified names converted (experts as ``<module>.<weight>``); empty for a dense model.
     """
-    from lightning_sloth.moe.quant import dequantize_experts
-
     converted: list[str] = []
     for name in [name for name, _ in model.named_modules()]:
         module = model.get_submodule(name)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_sloth.quant.formats import check_quant_type
+from lightning_sloth.ops.nf4_formats import check_quant_type
 from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped
 
 

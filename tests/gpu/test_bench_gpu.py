@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_sloth.bench_suite import gpu_busy_share
+from lightning_sloth.bench.measure import gpu_busy_share
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -15,7 +15,7 @@ import torch
 from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
 
 from lightning_sloth.data import PackedCollator
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.transform import transform_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

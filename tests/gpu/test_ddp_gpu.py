@@ -26,7 +26,7 @@ def _lightning_fit(offload: str, tmp_path) -> tuple[dict, dict]:
 
     from lightning_sloth import CausalLMModule, LoraSettings, SlothDDPStrategy, SlothPrecision
     from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
-    from lightning_sloth.offload import OffloadStatsCallback
+    from lightning_sloth.plugins import OffloadStatsCallback
 
     seed_everything(0)
     tokenizer = build_char_tokenizer()

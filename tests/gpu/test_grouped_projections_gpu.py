@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_cuda_graphs_gpu import LAYERS, _assert_same, _batches, _model, _train
 
-from lightning_sloth.ops.lora import _SharedInputLora
-from lightning_sloth.plugins.strategy import transform_model
+from lightning_sloth.ops.lora_groups import _SharedInputLora
+from lightning_sloth.transform import transform_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -83,7 +83,7 @@ def test_grouped_projections_in_graph_replays_with_offload():
 def test_folded_b_products_in_bf16_are_as_close_to_float64_as_the_separate_ones(monkeypatch):
     """gate/up-shaped group large enough to fold (``[x | x A^T] [W | s B]^T``): in bf16 its outputs
     and gradients are as close to float64 as the separate products' (one rounding of the sum)."""
-    from lightning_sloth.ops import lora as lora_ops
+    from lightning_sloth.ops import lora_groups
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, inputs, outs, rank = 4096, 256, (1024, 1024), 16
@@ -106,11 +106,13 @@ def test_folded_b_products_in_bf16_are_as_close_to_float64_as_the_separate_ones(
 
     want = run(torch.float64)
     folded_calls: list[int] = []
-    extend = lora_ops._extended_weight
-    monkeypatch.setattr(lora_ops, "_extended_weight", lambda w, *a: folded_calls.append(1) or extend(w, *a))
+    extend = lora_groups._extended_weight
+    monkeypatch.setattr(
+        lora_groups, "_extended_weight", lambda w, *a: folded_calls.append(1) or extend(w, *a)
+    )
     folded = run(torch.bfloat16)
     assert len(folded_calls) == 2  # the default thresholds fold this group
-    monkeypatch.setattr(lora_ops, "WIDE_ROWS_PER_INPUT", float("inf"))
+    monkeypatch.setattr(lora_groups, "WIDE_ROWS_PER_INPUT", float("inf"))
     separate = run(torch.bfloat16)
     assert len(folded_calls) == 2
     for got, one, ref in zip(folded, separate, want):

@@ -187,7 +187,7 @@ def test_transformed_step_matches_the_unfused_repeat_path_and_never_syncs(offloa
 
     import _models
 
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     master = _models.tiny_llama(
         hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2
@@ -236,7 +236,7 @@ def test_grouped_adapter_casts_and_embedding_look_up_bitwise_and_fewer_launches(
 
     import _models
 
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     master = _models.tiny_qwen3(
         hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4
@@ -345,7 +345,7 @@ def test_packed_qwen3_backward_copies_no_activation():
     casts remain); nor zero gradients for the ops' side outputs."""
     import _models
 
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     model = _models.tiny_qwen3(
         hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4

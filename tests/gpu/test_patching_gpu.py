@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from lightning_sloth.ops._registry import TRITON_OPS
+from lightning_sloth.ops.registry import TRITON_OPS
 from lightning_sloth.patching import apply_kernels, compile_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

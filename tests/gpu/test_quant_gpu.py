@@ -105,7 +105,7 @@ def _lora(model):
 
 
 def test_one_step_matches_transformers_peft_bitsandbytes():
-    from lightning_sloth.plugins.strategy import transform_model
+    from lightning_sloth.transform import transform_model
 
     ours = _tiny_quantized()
     theirs = copy.deepcopy(ours)

@@ -48,7 +48,7 @@ def system_label(record: dict) -> str:
     """What a table and a plot call a system."""
     if record.get("label"):
         return record["label"]
-    from lightning_sloth.bench_systems import SUITE_SYSTEMS
+    from lightning_sloth.bench.systems import SUITE_SYSTEMS
 
     name = record["system"]
     if name in SUITE_SYSTEMS:

@@ -31,6 +31,8 @@ import torch
 from torch._library.custom_ops import CustomOpDef
 from torch.utils.flop_counter import register_flop_formula
 
+from lightning_sloth.kernels.tracing import tracing
+
 __all__ = [
     "NAMESPACE",
     "TRITON_OPS",
@@ -144,12 +146,6 @@ def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callab
     methods = {"forward": forward, "backward": eager_backward}
     _Eager = type(name, (torch.autograd.Function,), {k: staticmethod(v) for k, v in methods.items()})
     _EAGER[op._qualname] = _Eager.apply
-
-
-def tracing() -> bool:
-    """Whether ops are being traced or intercepted now: ``torch.compile``/``torch.export``, or a
-    dispatch mode (fake tensors, ``make_fx``, ``FlopCounterMode``) is active."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def call(op: CustomOpDef, *args: object) -> object:

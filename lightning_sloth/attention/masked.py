@@ -1,0 +1,237 @@
+"""The flex and sdpa backends of the packed attention: document-causal masks built from ``cu_seqlens``
+(block-sparse for flex, ``[T, T]`` for sdpa), once per batch, and the float32 path with attention
+sinks (see :mod:`lightning_sloth.attention`)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from transformers.integrations.sdpa_attention import repeat_kv
+
+FLEX_BLOCK_SIZE = 128
+
+
+def sink_gate(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``out * sigmoid(lse - sink)``: ``out [B, H, T, D]``, ``lse [B, H, T]``, sinks ``[H]``."""
+    gate = torch.sigmoid(lse.float() - sinks.float()[:, None])
+    return (out.float() * gate[..., None]).to(out.dtype)
+
+
+def flex_packed(query, key, value, cu_seqlens, scaling, window, sinks=None) -> Tensor:
+    seq_len = query.shape[2]
+    block_mask = _MASKS.get(
+        cu_seqlens,
+        ("flex", seq_len, window),
+        lambda: document_block_mask(cu_seqlens, seq_len, window, FLEX_BLOCK_SIZE),
+    )
+    if query.is_cuda:
+        attend = _compiled_flex_attention()
+    else:
+        # CPU flex is forward-only and refuses inputs that require grad even under no_grad.
+        attend = flex_attention
+        query, key, value = query.detach(), key.detach(), value.detach()
+    extra = {} if sinks is None else {"return_aux": AuxRequest(lse=True)}
+    out = attend(
+        query,
+        key,
+        value,
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+        **extra,
+    )
+    if sinks is not None:
+        # flex differentiates through the lse it returns (on CUDA), so autograd handles the gate.
+        out, aux = out
+        out = sink_gate(out, aux.lse, sinks)
+    return out.transpose(1, 2).contiguous()
+
+
+def sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks=None) -> Tensor:
+    seq_len = query.shape[2]
+    mask = _MASKS.get(
+        cu_seqlens, ("dense", seq_len, window), lambda: document_causal_mask(cu_seqlens, seq_len, window)
+    )
+    if sinks is not None:
+        return attention_with_sinks(query, key, value, mask, scaling, sinks)
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    # Eager flex materializes the full score matrix; compiled it runs the block-sparse kernel.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_ids(cu_seqlens: Tensor, seq_len: int) -> Tensor:
+    """Segment index of every position: ``[T]`` in the dtype of ``cu_seqlens``, on its device.
+
+    Positions at or past ``cu_seqlens[-1]`` get index ``n`` (one more segment of their own).
+    """
+    positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
+
+
+def document_causal_mask(cu_seqlens: Tensor, seq_len: int, window: int | None = None) -> Tensor:
+    """Dense ``[T, T]`` bool mask, True where query ``i`` may attend key ``j``.
+
+    ``j <= i``, same document, and ``i - j < window`` when a sliding window is given.
+    """
+    doc = document_ids(cu_seqlens, seq_len)
+    pos = torch.arange(seq_len, device=cu_seqlens.device)
+    distance = pos[:, None] - pos[None, :]
+    keep = (doc[:, None] == doc[None, :]) & (distance >= 0)
+    if window is not None:
+        keep &= distance < window
+    return keep
+
+
+def document_block_mask(
+    cu_seqlens: Tensor, seq_len: int, window: int | None = None, block_size: int = FLEX_BLOCK_SIZE
+) -> BlockMask:
+    """FlexAttention ``BlockMask`` of :func:`document_causal_mask`, built at block granularity.
+
+    Segments are contiguous, so a ``(query block i, key block j)`` tile is decided by the segments
+    at the tile corners: it holds a visible pair iff ``j == i``, or ``j < i`` with block ``j``'s
+    last segment equal to block ``i``'s first (and that closest pair inside the window); it is
+    entirely visible iff ``j < i``, both blocks are complete, lie in one segment, and the farthest
+    pair is inside the window. Only ``[T / block_size]^2`` tiles are touched, on the device.
+
+    Args:
+        cu_seqlens: ``[n + 1]`` int32/int64 segment boundaries.
+        seq_len: packed length ``T``.
+        window: transformers' sliding window (keys with ``q - k < window``), or ``None``.
+        block_size: tile size of the mask (FlexAttention's default is 128).
+
+    Returns:
+        A ``BlockMask`` of shape ``(1, 1, T, T)`` broadcast over batch and heads.
+    """
+    doc = document_ids(cu_seqlens, seq_len)
+    num_blocks = -(-seq_len // block_size)
+    starts = torch.arange(num_blocks, device=doc.device) * block_size
+    ends = (starts + block_size).clamp(max=seq_len) - 1
+    first, last = doc[starts], doc[ends]
+    q_blk, kv_blk = (
+        torch.arange(num_blocks, device=doc.device)[:, None],
+        torch.arange(num_blocks, device=doc.device),
+    )
+    below = kv_blk < q_blk
+    touched = (kv_blk == q_blk) | (below & (last[None, :] == first[:, None]))
+    complete = ends - starts == block_size - 1
+    full = below & complete[:, None] & complete[None, :] & (first[None, :] == last[:, None])
+    if window is not None:
+        touched &= (starts[:, None] - ends[None, :] < window) | (kv_blk == q_blk)
+        full &= ends[:, None] - starts[None, :] < window
+    partial = touched & ~full
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    kv_num, kv_idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(seq_len, seq_len),
+    )
+
+
+def _ordered_blocks(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """``[n, n]`` bool tiles -> (``[1, 1, n]`` counts, ``[1, 1, n, n]`` indices, selected ones first)."""
+    dense = dense.to(torch.int32)
+    counts = dense.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+
+def attention_with_sinks(query, key, value, mask, scaling, sinks) -> Tensor:
+    """Attention with a sink logit column per head, as transformers' eager GPT-OSS attention.
+
+    Args:
+        query: ``[B, Hq, T, D]``; key, value: ``[B, Hkv, S, D]``.
+        mask: bool (True = attend) or additive float, broadcastable to ``[B, Hq, T, S]``.
+        scaling: softmax scale, ``1/sqrt(D)`` if ``None``.
+        sinks: ``[Hq]`` logits of the sink column (its value is zero).
+
+    Returns:
+        ``[B, T, Hq, D]`` in ``query``'s dtype, computed in float32 (float64 for float64 inputs). A
+        row with every key masked stays finite: all its weight goes to the sink.
+    """
+    groups = query.shape[1] // key.shape[1]
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (query.to(dtype) @ repeat_kv(key, groups).to(dtype).transpose(-1, -2)) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+    else:
+        scores = scores + mask.to(dtype)
+    sink_column = sinks.to(dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    out = probs @ repeat_kv(value, groups).to(dtype)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
+def causal_window_mask(
+    q_len: int, window: int | None, device: torch.device, kv_len: int | None = None
+) -> Tensor:
+    """``[T, S]`` causal (sliding-window) mask for unpacked rows (built per call: an uncommon path).
+
+    Queries are the last ``T`` of ``S`` positions: query ``i`` sits at ``i + S - T``.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    distance = (torch.arange(q_len, device=device) + kv_len - q_len)[:, None] - torch.arange(
+        kv_len, device=device
+    )
+    keep = distance >= 0
+    if window is not None:
+        keep &= distance < window
+    return keep
+
+
+class _BatchMaskCache:
+    """Masks of the current batch, keyed by the identity of its ``cu_seqlens`` tensor.
+
+    transformers hands the same ``cu_seqlens`` object to every layer (and to the recompute of a
+    checkpointed layer), so the first layer builds and the others reuse. Holding a reference keeps
+    the object, hence its identity, alive: a new batch's tensor can never be mistaken for it even
+    if the allocator reuses memory. In-place edits are caught by the tensor's version counter. The
+    entry lives until a different ``cu_seqlens`` arrives.
+    """
+
+    def __init__(self) -> None:
+        self._cu_seqlens: Tensor | None = None
+        self._version = -1
+        self._masks: dict = {}
+
+    @torch.compiler.disable
+    def get(self, cu_seqlens: Tensor, key: tuple, build: Callable[[], object]):
+        if cu_seqlens is not self._cu_seqlens or cu_seqlens._version != self._version:
+            self._cu_seqlens, self._version, self._masks = cu_seqlens, cu_seqlens._version, {}
+        # A mask built under inference_mode (validation) cannot be saved for a later backward.
+        key = (*key, torch.is_inference_mode_enabled())
+        if key not in self._masks:
+            self._masks[key] = build()
+        return self._masks[key]
+
+    def clear(self) -> None:
+        self._cu_seqlens, self._version, self._masks = None, -1, {}
+
+
+_MASKS = _BatchMaskCache()
