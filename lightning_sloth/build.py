@@ -37,7 +37,12 @@ from lightning_sloth.plugins import (
     SlothStrategy,
     SlothThroughputMonitor,
 )
-from lightning_sloth.plugins.checkpoint import AtomicCheckpointIO, FinalCheckpoint, RandomStateCheckpoint
+from lightning_sloth.plugins.checkpoint import (
+    AtomicCheckpointIO,
+    FinalCheckpoint,
+    RandomStateCheckpoint,
+    verify_checkpoint,
+)
 from lightning_sloth.plugins.progress import StepProgressBar
 from lightning_sloth.plugins.samples import SampleGenerations
 
@@ -397,12 +402,20 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> str | None:
             checkpoint path (must exist), or ``None`` (start fresh). A sharded (FSDP2)
             checkpoint is a directory.
         output_dir: the job's output directory.
+
+    A sharded checkpoint is checked here, before anything is built, with
+    :func:`~lightning_sloth.plugins.checkpoint.verify_checkpoint` (``torch.distributed.checkpoint``
+    would unpickle its index and non-tensor entries without restriction). A checkpoint file is
+    loaded by :class:`~lightning_sloth.plugins.checkpoint.AtomicCheckpointIO`, which refuses one
+    that pickles anything but plain types.
     """
     if resume is None:
         return None
     if resume == "auto":
         last = Path(output_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
-        return str(last) if last.exists() else None
-    if not Path(resume).exists():
+        resume = str(last) if last.exists() else None
+    elif not Path(resume).exists():
         raise FileNotFoundError(f"resume: checkpoint {resume!r} does not exist")
-    return str(resume)
+    if resume is not None and Path(resume).is_dir():
+        verify_checkpoint(resume)
+    return None if resume is None else str(resume)

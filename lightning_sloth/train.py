@@ -178,7 +178,9 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     module = build.build_module(cfg, build.build_model(cfg.model, tokenizer))
     if resume:
         log.info("resuming from %s", resume)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    # weights_only=True explicitly: no environment variable (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD) can
+    # turn the resumed checkpoint into code; AtomicCheckpointIO enforces it for files as well.
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
 
     metrics_file = output_dir / METRICS_FILE
     if not trainer.is_global_zero:
