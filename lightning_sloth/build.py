@@ -40,7 +40,8 @@ from lightning_sloth.plugins import (
 from lightning_sloth.plugins.checkpoint import (
     AtomicCheckpointIO,
     FinalCheckpoint,
-    RandomStateCheckpoint,
+    PreemptionCheckpoint,
+    StepRandomState,
     verify_checkpoint,
 )
 from lightning_sloth.plugins.progress import StepProgressBar
@@ -314,9 +315,23 @@ def offload_enabled(cfg: DictConfig) -> bool:
     return cfg.sloth.offload is not Switch.off
 
 
+def in_slurm_job() -> bool:
+    """Whether this process runs as a SLURM batch job (not an interactive ``srun --pty bash``)."""
+    import os
+
+    return bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SLURM_JOB_NAME") not in (
+        "bash",
+        "interactive",
+    )
+
+
+RESUME_HINT = "rerun the same command with the same output directory (resume=auto continues from it)"
+
+
 def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool = False) -> list[Callback]:
-    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``, with the random generators' state),
-    learning-rate and throughput monitors, the gradient-flow guard, the adapter export
+    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``; the random generators seeded per batch;
+    on SIGTERM/SIGUSR1/SIGUSR2 after the current step, then a non-zero exit, the SLURM job
+    requeued on the warning signal inside a SLURM job), learning-rate and throughput monitors, the gradient-flow guard, the adapter export
     (``<output_dir>/adapter``), greedy samples at each validation (``<output_dir>/samples.jsonl``,
     when ``trainer.samples > 0``), the step progress bar (when enabled) and, with activation
     offload on, its statistics (bytes offloaded, pinned pool size, backward wait)."""
@@ -339,8 +354,11 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
         GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
         SaveAdapter(output_dir / ADAPTER_DIR),
         ExpertLoadMonitor(every_n_steps=trainer.log_every_n_steps),
-        RandomStateCheckpoint(),
+        StepRandomState(),
         FinalCheckpoint(output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, every_n_steps),
+        PreemptionCheckpoint(
+            output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, requeue=in_slurm_job(), resume_hint=RESUME_HINT
+        ),
     ]
     if trainer.samples:
         samples = SampleGenerations(trainer.samples, trainer.sample_max_new_tokens, output_dir / SAMPLES_FILE)
@@ -368,14 +386,20 @@ def build_trainer(
         loggers: defaults to :func:`build_loggers`; ``False`` disables logging.
     """
     from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     t = cfg.trainer
+    plugins: list[Any] = [build_precision(cfg.precision), AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():
+        # PreemptionCheckpoint stops at a step boundary and requeues; Lightning's auto-requeue
+        # would save from inside its signal handler, in the middle of a step.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     return Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg.sloth, t, multirun),
-        plugins=[build_precision(cfg.precision), AtomicCheckpointIO()],
+        plugins=plugins,
         callbacks=build_callbacks(t, output_dir, offload_enabled(cfg)) if callbacks is None else callbacks,
         logger=build_loggers(output_dir) if loggers is None else loggers,
         default_root_dir=output_dir,

@@ -15,19 +15,29 @@ the type, before any of it is built. A sharded (distributed) checkpoint director
 same way by :func:`verify_checkpoint`: its index is unpickled with an allow-list of the
 distributed-checkpoint record types, and every non-tensor entry with ``weights_only=True``.
 
+Preemption: :class:`PreemptionCheckpoint` turns SIGTERM, SIGUSR1 (SLURM's ``--signal``) and
+SIGUSR2 (submitit's) during training into: the current step finishes, an atomic checkpoint is
+written, the SLURM job is requeued where asked, and the process exits with ``128 + signal`` and
+a message saying how to resume.
+
 Lightning restores model, optimizer, schedulers, grad scaler, loops and stateful data loaders, but
-not the global random generators. :class:`RandomStateCheckpoint` adds them, so dropout masks and
-anything else drawing random numbers continue as in an uninterrupted run.
+not the global random generators. :class:`StepRandomState` seeds them at every training batch
+from the run's seed and the batch's index, so dropout masks and anything else drawing random
+numbers continue as in an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
+import logging
 import os
 import pickle
 import random
 import re
+import signal
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -35,6 +45,10 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
 
 #: Types a checkpoint may hold beyond what ``torch.load(weights_only=True)`` accepts by default
 #: (tensors, dtypes, ``torch.Size``, containers, numbers, strings). lightning_sloth's checkpoints
@@ -241,35 +255,22 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def collect_random_state() -> dict[str, Any]:
-    """The global generators: Python's ``random``, NumPy's (when installed), torch CPU and CUDA."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+def seed_step(seed: int, batch_index: int) -> int:
+    """The seed of one training batch: a mix of the run's seed and the batch's index (64 bits)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + batch_index * 0xBF58476D1CE4E5B9 + 1) % 2**64
+    return (mixed ^ (mixed >> 31)) % 2**63
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the global generators: Python's ``random``, NumPy's (when installed), torch CPU and CUDA."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # every CUDA device too
     try:
         import numpy
 
-        # Plain lists and tensors only, so the checkpoint still loads with ``weights_only=True``.
-        name, keys, position, has_gauss, gauss = numpy.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), position, has_gauss, gauss]
+        numpy.random.seed(seed % 2**32)
     except ImportError:
         pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_random_state(state: dict[str, Any]) -> None:
-    """Set the generators :func:`collect_random_state` captured."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy
-
-        name, keys, position, has_gauss, gauss = state["numpy"]
-        numpy.random.set_state((name, keys.numpy().astype("uint32"), position, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class FinalCheckpoint(Callback):
@@ -296,29 +297,187 @@ class FinalCheckpoint(Callback):
             trainer.save_checkpoint(self.path)
 
 
-class RandomStateCheckpoint(Callback):
-    """Saves the global random generators in each checkpoint and restores them on resume.
+class StepRandomState(Callback):
+    """Every training batch starts from generators seeded by the run's seed and the batch's index.
 
-    They are restored right before the first resumed training step, after Lightning has built
-    the resumed iterators (a ``DataLoader`` iterator draws its base seed from torch's generator
-    when created, which the uninterrupted run did at the start of the epoch, long before the
-    checkpoint): the step then starts from the generators' state at the moment of the save.
+    Dropout masks and anything else a step draws then depend only on which batch it is, not on
+    what ran before it: a resumed run continues bit for bit whether its checkpoint was taken in
+    the middle of an epoch, at its end or at a validation step (creating a ``DataLoader``
+    iterator, for validation or a new epoch, draws from torch's generator; a resumed process
+    creates its iterators at other moments than the uninterrupted one did). Nothing needs to be
+    saved: the batch index is in every checkpoint.
+
+    Args:
+        seed: the run's seed (default: the one ``seed_everything`` recorded in ``PL_GLOBAL_SEED``,
+            else 0).
     """
 
-    KEY = "random_state"
-
-    def __init__(self) -> None:
-        self._pending: dict[str, Any] | None = None
-
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        checkpoint[self.KEY] = collect_random_state()
-
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        self._pending = checkpoint.get(self.KEY)
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int
     ) -> None:
-        if self._pending is not None:
-            restore_random_state(self._pending)
-            self._pending = None
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed_generators(seed_step(seed, trainer.fit_loop.total_batch_idx))
+
+
+#: Signals :class:`PreemptionCheckpoint` handles: SLURM's end-of-job SIGTERM, the warning signal
+#: ``sbatch --signal=USR1@90`` sends (Lightning's SLURM requeue signal), and submitit's default.
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+
+
+class PreemptionCheckpoint(Callback):
+    """Preemption loses nothing: on a signal the step finishes, a checkpoint is written, the exit is non-zero.
+
+    From ``on_train_start`` this callback holds SIGTERM, and from ``setup`` SIGUSR1 and SIGUSR2
+    (a warning signal while the model loads is kept too). A signal only records itself; at the
+    end of the training step that is running (the next one if it came during validation) the
+    callback
+
+    - saves ``path`` through the Trainer exactly where ``ModelCheckpoint`` saves (the end of a
+      training batch), so a resumed run continues bit for bit; atomic with
+      :class:`AtomicCheckpointIO`. At an epoch's last batch it waits one more step: a loader
+      state saved there (every batch of the epoch consumed) is applied by the resumed run to the
+      next epoch's batches;
+    - hands the stop to Lightning's own SIGTERM handler (which shares it with every rank and ends
+      the loop after the step's logging, or in the middle of a validation that was due);
+    - when the loop ends with ``SIGTERMException``: requeues the SLURM job (``scontrol requeue``,
+      as Lightning's ``SLURMEnvironment`` does) when ``requeue`` is set and the signal was a
+      warning signal (SIGUSR1/2; SIGTERM alone is also what ``scancel`` sends), sets the exit code
+      to ``128 + signal number`` (143 for SIGTERM) and logs how to resume: a scheduler sees a
+      stopped job, not a finished one.
+
+    With several processes the decision is shared (``reduce_boolean_decision``: one rank
+    signalled stops all at the same step). Lightning's SIGTERM handler alone would stop the run
+    in the middle of validation or after an epoch's last step without a checkpoint, and exit 0.
+    Lightning's ``SLURMEnvironment`` should be given ``auto_requeue=False``: its handler saves a
+    checkpoint from inside the signal handler, in the middle of a step.
+
+    Args:
+        path: the checkpoint to write (the app's ``checkpoints/last.ckpt``, which ``resume=auto``
+            and ``Trainer.fit(ckpt_path=...)`` read).
+        requeue: requeue the SLURM job after saving, on SIGUSR1/SIGUSR2.
+        resume_hint: how to resume, for the message (default: ``Trainer.fit(..., ckpt_path=<path>)``).
+
+    Attributes:
+        signum: the signal received, or ``None``.
+        saved_step: the step the checkpoint was saved at, or ``None``.
+    """
+
+    def __init__(self, path: str | Path, requeue: bool = False, resume_hint: str | None = None) -> None:
+        self.path = Path(path)
+        self.requeue = requeue
+        self.resume_hint = resume_hint or f"Trainer.fit(..., ckpt_path={str(self.path)!r})"
+        self.signum: int | None = None
+        self.saved_step: int | None = None
+        self._done = False
+        self._originals: dict[int, Any] = {}
+        self._lightning_handler: Any = None
+
+    def _install(self, name: str) -> None:
+        signum = getattr(signal, name, None)
+        if signum is None:  # not on this platform
+            return
+        self._originals.setdefault(signum, signal.getsignal(signum))
+        # Outside the main thread no handler can be set (Lightning's cannot either).
+        with contextlib.suppress(ValueError):
+            signal.signal(signum, self._on_signal)
+
+    def _finish(self) -> None:
+        """Give the signals back to the handlers they had before."""
+        self._done = True
+        for signum, handler in self._originals.items():
+            with contextlib.suppress(ValueError):
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == TrainerFn.FITTING:
+            self._done, self._originals = False, {}
+            for name in PREEMPTION_SIGNALS[1:]:
+                self._install(name)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._lightning_handler = signal.getsignal(signal.SIGTERM)  # registered by Lightning by now
+        self._install("SIGTERM")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._done:  # fit is over (Lightning's teardown may put this handler back): as before it
+            _default_action(signum, frame, self._originals.get(signum, signal.SIG_DFL))
+            return
+        if self.signum is None:
+            self.signum = signum
+            log.warning("received %s: stopping after the current training step", signal.Signals(signum).name)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.saved_step is not None:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self.signum is not None, all=False):
+            return
+        if self.signum is None:
+            self.signum = signal.SIGTERM  # another rank was signalled
+        final = 0 <= trainer.max_steps <= trainer.global_step
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and not final:
+            return
+        trainer.save_checkpoint(self.path)
+        self.saved_step = trainer.global_step
+        if callable(self._lightning_handler):
+            self._lightning_handler(signal.SIGTERM, None)
+        else:  # no Lightning handler to hand the stop to (not the main thread)
+            raise SIGTERMException(128 + self.signum)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._finish()
+        if not isinstance(exception, SIGTERMException):
+            return
+        signum = self.signum or signal.SIGTERM
+        name = signal.Signals(signum).name
+        exception.code = 128 + signum
+        requeued = self.requeue and name != "SIGTERM" and trainer.is_global_zero and _requeue_slurm_job()
+        if not trainer.is_global_zero:
+            return
+        if self.saved_step is None:
+            log.error("stopped by %s before training resumed; nothing new to save", name)
+            return
+        log.error(
+            "preempted by %s at step %d: saved %s%s. To resume, %s",
+            name,
+            self.saved_step,
+            self.path,
+            "; the SLURM job is requeued" if requeued else "",
+            self.resume_hint,
+        )
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._finish()
+
+
+def _default_action(signum: int, frame: Any, handler: Any) -> None:
+    """Do what ``handler`` (a signal's earlier disposition) would have done with the signal."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _requeue_slurm_job() -> bool:
+    """``scontrol requeue`` the current SLURM job (array task included); whether it worked."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job = os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        log.warning("not requeued: no SLURM job id in the environment")
+        return False
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("requeuing SLURM job %s failed: %s", job, error)
+        return False
+    if result.returncode:
+        log.warning("requeuing SLURM job %s failed: %s", job, result.stderr.strip())
+    return result.returncode == 0
