@@ -37,6 +37,7 @@ from lightning_sloth.plugins import (
     SlothStrategy,
     SlothThroughputMonitor,
 )
+from lightning_sloth.plugins.callbacks import LongestStepHeadroom, OutOfMemoryAdvice
 from lightning_sloth.plugins.checkpoint import (
     AtomicCheckpointIO,
     FinalCheckpoint,
@@ -325,10 +326,35 @@ def in_slurm_job() -> bool:
     )
 
 
+def out_of_memory_hints(cfg: DictConfig) -> list[str]:
+    """The settings of this run that would make a step fit, as overrides, most effective first."""
+    hints = []
+    sloth = cfg.sloth
+    if not sloth.gradient_checkpointing:
+        hints.append("sloth.gradient_checkpointing=true: keep one input per layer, recompute the rest")
+    if sloth.offload is Switch.off:
+        hints.append("sloth.offload=on: checkpointed layer inputs to pinned host memory")
+    if sloth.memory_budget is None:
+        hints.append("sloth.memory_budget=auto: keep, recompute or offload each layer to fit the free memory")
+    else:
+        hints.append(f"a smaller sloth.memory_budget (now {sloth.memory_budget})")
+    hints.append(
+        f"data.max_tokens={max(cfg.data.max_tokens // 2, 1)}: fewer tokens per step (now {cfg.data.max_tokens})"
+    )
+    if cfg.precision.get("quantize") is None and cfg.lora.enabled:
+        hints.append("precision.quantize=nf4: the frozen base weights in 4 bits (QLoRA)")
+    return hints
+
+
 RESUME_HINT = "rerun the same command with the same output directory (resume=auto continues from it)"
 
 
-def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool = False) -> list[Callback]:
+def build_callbacks(
+    trainer: DictConfig,
+    output_dir: str | Path,
+    offload: bool = False,
+    oom_hints: list[str] | None = None,
+) -> list[Callback]:
     """Checkpointing (``<output_dir>/checkpoints/last.ckpt``; the random generators seeded per batch;
     on SIGTERM/SIGUSR1/SIGUSR2 after the current step, then a non-zero exit, the SLURM job
     requeued on the warning signal inside a SLURM job), learning-rate and throughput monitors, the gradient-flow guard, the adapter export
@@ -351,7 +377,11 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
         checkpoint,
         LearningRateMonitor(logging_interval="step"),
         SlothThroughputMonitor(window_size=trainer.throughput_window),
-        GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
+        GradientFlowGuard(
+            every_n_steps=trainer.grad_guard_every_n_steps, max_nonfinite_steps=trainer.max_nonfinite_steps
+        ),
+        OutOfMemoryAdvice(*([oom_hints] if oom_hints else [])),
+        LongestStepHeadroom(),
         SaveAdapter(output_dir / ADAPTER_DIR),
         ExpertLoadMonitor(every_n_steps=trainer.log_every_n_steps),
         StepRandomState(),
@@ -400,7 +430,11 @@ def build_trainer(
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg.sloth, t, multirun),
         plugins=plugins,
-        callbacks=build_callbacks(t, output_dir, offload_enabled(cfg)) if callbacks is None else callbacks,
+        callbacks=(
+            build_callbacks(t, output_dir, offload_enabled(cfg), out_of_memory_hints(cfg))
+            if callbacks is None
+            else callbacks
+        ),
         logger=build_loggers(output_dir) if loggers is None else loggers,
         default_root_dir=output_dir,
         max_steps=t.max_steps,

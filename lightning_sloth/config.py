@@ -248,7 +248,11 @@ class TrainerConfig:
             (``None``: every ``val_check_interval`` steps); written atomically.
         samples: validation prompts greedy-decoded and scored at each validation (0: none).
         sample_max_new_tokens: most tokens generated per sample.
-        grad_guard_every_n_steps: cadence of ``GradientFlowGuard``'s check.
+        grad_guard_every_n_steps: cadence of ``GradientFlowGuard``'s all-zero gradient check.
+        max_nonfinite_steps: consecutive steps with a non-finite loss or gradients that are
+            skipped (no update, counted in ``train/skipped_steps``) before the run stops naming
+            the batch's documents (0: stop at the first; ``null``: no per-step check, which
+            saves one host read of the gradient norm per step).
         throughput_window: batches in ``SlothThroughputMonitor``'s rolling average.
     """
 
@@ -273,6 +277,7 @@ class TrainerConfig:
     samples: int = 32
     sample_max_new_tokens: int = 40
     grad_guard_every_n_steps: int = 50
+    max_nonfinite_steps: int | None = 3
     throughput_window: int = 20
 
 
@@ -515,6 +520,8 @@ def _check_trainer(trainer: DictConfig, errors: list[str]) -> None:
     for key in ("samples", "sample_max_new_tokens"):
         if trainer[key] < 0:
             errors.append(f"trainer.{key}: must be >= 0, got {trainer[key]}")
+    if trainer.max_nonfinite_steps is not None and trainer.max_nonfinite_steps < 0:
+        errors.append(f"trainer.max_nonfinite_steps: must be >= 0 or null, got {trainer.max_nonfinite_steps}")
     for key in ("limit_val_batches", "checkpoint_every_n_steps"):
         if trainer[key] is not None and trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0 or null, got {trainer[key]}")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -41,6 +42,7 @@ from lightning_sloth import build, export
 from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT, SAMPLES_FILE
 from lightning_sloth.config import ExportMode, register_configs, validate
 from lightning_sloth.export import MERGED_DIR
+from lightning_sloth.plugins.callbacks import OutOfMemoryAdvice, StepOutOfMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +153,16 @@ def format_summary(summary: dict[str, Any], output_dir: str | Path) -> str:
     )
 
 
+def _out_of_memory_message(callbacks: list[Callback], output_dir: Path, error: BaseException) -> str:
+    """:class:`OutOfMemoryAdvice`'s message and the state of the last checkpoint."""
+    advice = next((c for c in callbacks if isinstance(c, OutOfMemoryAdvice)), None)
+    message = advice.message if advice is not None and advice.message else f"out of memory: {error}"
+    last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if last.exists():
+        message += f"\nThe last checkpoint, {last}, is intact: rerun with one of these to resume from it."
+    return message
+
+
 def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict[str, Any] | None:
     """Train once from a composed config; returns the ``metrics.json`` dict on global rank zero.
 
@@ -164,7 +176,9 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     output_dir = Path(output_dir)
     resume = build.resolve_resume(cfg.resume, output_dir)
     # The Trainer (strategy, precision, callbacks) is cheap: its argument errors come before a model load.
-    callbacks = build.build_callbacks(cfg.trainer, output_dir, build.offload_enabled(cfg))
+    callbacks = build.build_callbacks(
+        cfg.trainer, output_dir, build.offload_enabled(cfg), build.out_of_memory_hints(cfg)
+    )
     callbacks.append(RunSummary(output_dir / METRICS_FILE, start_time=start, resumed_from=resume))
     if cfg.export is ExportMode.merged:
         export.check_exportable(cfg)
@@ -180,7 +194,10 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
         log.info("resuming from %s", resume)
     # weights_only=True explicitly: no environment variable (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD) can
     # turn the resumed checkpoint into code; AtomicCheckpointIO enforces it for files as well.
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    except torch.OutOfMemoryError as error:
+        raise StepOutOfMemoryError(_out_of_memory_message(callbacks, output_dir, error)) from error
 
     metrics_file = output_dir / METRICS_FILE
     if not trainer.is_global_zero:

@@ -214,23 +214,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         path = Path(path)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        handle = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as handle:
+            with open(tmp, "wb") as raw:
+                handle = _WriteErrors(raw)
                 torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
+                raw.flush()
+                os.fsync(raw.fileno())
             os.replace(tmp, path)
-        except OSError as error:
-            previous = (
-                "the previous checkpoint there is intact" if path.is_file() else "none was there before"
-            )
-            cause = os.strerror(error.errno) if error.errno else str(error)
+        except (OSError, RuntimeError) as error:
+            # torch's zip writer reports a failed write of the file object as a RuntimeError
+            # ("unexpected pos"): the OSError the write raised is the cause.
+            cause = handle.error if handle is not None and handle.error is not None else error
+            if not isinstance(cause, OSError):
+                raise
+            previous = "the previous checkpoint there is intact" if path.is_file() else "none was there before"
+            reason = os.strerror(cause.errno) if cause.errno else str(cause)
             raise CheckpointWriteError(
-                error.errno or errno.EIO,
-                f"could not write the checkpoint {path}: {cause} ({error}); {previous}. "
+                cause.errno or errno.EIO,
+                f"could not write the checkpoint {path}: {reason} ({cause}); {previous}. "
                 "Free space or fix the output directory, then rerun the same command to resume",
-            ) from error
+            ) from cause
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_directory(path.parent)
@@ -241,6 +246,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_checkpoint_file(
             path, map_location=map_location or (lambda storage, loc: storage), safe_globals=self.safe_globals
         )
+
+
+class _WriteErrors:
+    """A binary file's ``write`` that remembers the ``OSError`` it raised (torch's zip writer turns
+    it into a RuntimeError without the cause)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
 
 
 def _fsync_directory(directory: Path) -> None:
