@@ -19,6 +19,7 @@ from lightning_sloth.config import (
     JsonlDataConfig,
     KernelOpsConfig,
     PretrainedModelConfig,
+    ProgressMode,
     RandomModelConfig,
     Sharding,
     Switch,
@@ -45,7 +46,7 @@ from lightning_sloth.plugins.checkpoint import (
     StepRandomState,
     verify_checkpoint,
 )
-from lightning_sloth.plugins.progress import StepProgressBar
+from lightning_sloth.plugins.progress import ProgressLines, StepProgressBar, interactive
 from lightning_sloth.plugins.samples import SampleGenerations
 
 if TYPE_CHECKING:
@@ -316,6 +317,13 @@ def offload_enabled(cfg: DictConfig) -> bool:
     return cfg.sloth.offload is not Switch.off
 
 
+def progress_lines(trainer: DictConfig) -> bool:
+    """Whether the run shows its progress as log lines (``trainer.progress``; ``auto``: when the
+    output is not a terminal) rather than a redrawn bar."""
+    mode = trainer.get("progress", ProgressMode.auto)
+    return mode is ProgressMode.lines or (mode is ProgressMode.auto and not interactive())
+
+
 def in_slurm_job() -> bool:
     """Whether this process runs as a SLURM batch job (not an interactive ``srun --pty bash``)."""
     import os
@@ -359,7 +367,8 @@ def build_callbacks(
     on SIGTERM/SIGUSR1/SIGUSR2 after the current step, then a non-zero exit, the SLURM job
     requeued on the warning signal inside a SLURM job), learning-rate and throughput monitors, the gradient-flow guard, the adapter export
     (``<output_dir>/adapter``), greedy samples at each validation (``<output_dir>/samples.jsonl``,
-    when ``trainer.samples > 0``), the step progress bar (when enabled) and, with activation
+    when ``trainer.samples > 0``), the step progress bar or, where the output is not a terminal,
+    progress lines (when enabled; :func:`progress_lines`) and, with activation
     offload on, its statistics (bytes offloaded, pinned pool size, backward wait)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -394,7 +403,8 @@ def build_callbacks(
         samples = SampleGenerations(trainer.samples, trainer.sample_max_new_tokens, output_dir / SAMPLES_FILE)
         callbacks.append(samples)
     if trainer.enable_progress_bar:
-        callbacks.append(StepProgressBar())
+        lines = progress_lines(trainer)
+        callbacks.append(ProgressLines(trainer.progress_every_n_steps) if lines else StepProgressBar())
     return callbacks + ([OffloadStatsCallback()] if offload else [])
 
 
@@ -442,12 +452,14 @@ def build_trainer(
         val_check_interval=t.val_check_interval,
         # Count val_check_interval across epochs, so it may exceed one epoch's batches.
         check_val_every_n_epoch=None,
-        limit_val_batches=1.0 if t.limit_val_batches is None else t.limit_val_batches,
+        limit_val_batches=t.limit_val_batches,  # None: all, without Lightning's notice saying so
         num_sanity_val_steps=t.num_sanity_val_steps,
         accumulate_grad_batches=t.accumulate_grad_batches,
         gradient_clip_val=t.gradient_clip_val,
         log_every_n_steps=t.log_every_n_steps,
         enable_progress_bar=t.enable_progress_bar,
+        # In a log, ProgressLines' first line replaces the parameter table.
+        enable_model_summary=not (t.enable_progress_bar and progress_lines(t)),
         deterministic=t.deterministic,
     )
 

@@ -82,6 +82,14 @@ class Sharding(Enum):
     fsdp = "fsdp"
 
 
+class ProgressMode(Enum):
+    """How training progress is shown: ``auto`` a bar on a terminal and lines elsewhere."""
+
+    auto = "auto"
+    bar = "bar"
+    lines = "lines"
+
+
 class ExportMode(Enum):
     """What the app exports at the end of training besides the adapter."""
 
@@ -254,6 +262,11 @@ class TrainerConfig:
             the batch's documents (0: stop at the first; ``null``: no per-step check, which
             saves one host read of the gradient norm per step).
         throughput_window: batches in ``SlothThroughputMonitor``'s rolling average.
+        progress: ``bar`` (a redrawn bar of steps), ``lines`` (a line every
+            ``progress_every_n_steps`` steps with the loss, real tokens/s and MFU, and one per
+            validation), ``auto``: a bar where stdout and stderr are a terminal, else lines.
+        progress_every_n_steps: cadence of the progress lines (``None``: about 20 lines per
+            run, a multiple of ``log_every_n_steps``).
     """
 
     accelerator: str = "auto"
@@ -279,6 +292,8 @@ class TrainerConfig:
     grad_guard_every_n_steps: int = 50
     max_nonfinite_steps: int | None = 3
     throughput_window: int = 20
+    progress: ProgressMode = ProgressMode.auto
+    progress_every_n_steps: int | None = None
 
 
 @dataclass
@@ -522,7 +537,7 @@ def _check_trainer(trainer: DictConfig, errors: list[str]) -> None:
             errors.append(f"trainer.{key}: must be >= 0, got {trainer[key]}")
     if trainer.max_nonfinite_steps is not None and trainer.max_nonfinite_steps < 0:
         errors.append(f"trainer.max_nonfinite_steps: must be >= 0 or null, got {trainer.max_nonfinite_steps}")
-    for key in ("limit_val_batches", "checkpoint_every_n_steps"):
+    for key in ("limit_val_batches", "checkpoint_every_n_steps", "progress_every_n_steps"):
         if trainer[key] is not None and trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0 or null, got {trainer[key]}")
     if trainer.num_sanity_val_steps < -1:

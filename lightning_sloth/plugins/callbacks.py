@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,61 @@ class SlothThroughputMonitor(ThroughputMonitor):
 
     Logs ``train|device/items_per_sec`` as real (non-padding) tokens per second, and MFU where the
     module exposes ``flops_per_batch`` (``CausalLMModule`` does; see its formula) and the device's
-    peak rate is known.
+    peak rate is known. The last logged figures are in :attr:`latest` (for the progress lines) and
+    the whole run's in :meth:`summary` (for the end summary).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(batch_size_fn=_documents, length_fn=_real_tokens, **kwargs)
+        self.latest: dict[str, float] = {}
+        self._tokens = 0
+        self._flops = 0.0
+        self._elapsed = 0.0
+
+    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self.latest, self._tokens, self._flops, self._elapsed = {}, 0, 0.0, 0.0
+
+    def _update(self, trainer: Trainer, pl_module: LightningModule, batch: Any, iter_num: int) -> None:
+        super()._update(trainer, pl_module, batch, iter_num)
+        stage = trainer.state.stage
+        if stage is None or stage.value != "train":
+            return
+        # The same clock as the window (validation time taken out by the parent class).
+        self._elapsed = time.perf_counter() - self._t0s[stage]
+        self._tokens += _real_tokens(batch)
+        self._flops += getattr(pl_module, "flops_per_batch", None) or 0.0
+
+    def _compute(self, trainer: Trainer, iter_num: int | None = None) -> None:
+        super()._compute(trainer, iter_num)
+        stage = trainer.state.stage
+        if stage is not None and stage.value == "train" and trainer._logger_connector.should_update_logs:
+            metrics = self._throughputs[stage].compute()
+            self.latest = {k: float(v) for k, v in metrics.items()}
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        """Real tokens per second of the last logged window, or of the run so far until a window
+        is full (``None`` before the first step)."""
+        return self.latest.get("device/items_per_sec", self.summary()["real_tokens_per_s"])
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation, over the same span as :attr:`tokens_per_sec` (``None`` where
+        the device's peak is unknown)."""
+        return self.latest.get("device/mfu", self.summary()["mfu"])
+
+    def summary(self) -> dict[str, float | None]:
+        """The run's training steps as a whole (validation excluded): ``real_tokens_per_s``,
+        ``model_tflops_per_s`` and ``mfu`` (``None`` where unknown)."""
+        if self._elapsed <= 0:
+            return {"real_tokens_per_s": None, "model_tflops_per_s": None, "mfu": None}
+        flops = self._flops / self._elapsed if self._flops else None
+        return {
+            "real_tokens_per_s": self._tokens / self._elapsed,
+            "model_tflops_per_s": None if flops is None else flops / 1e12,
+            "mfu": flops / self.available_flops if flops and self.available_flops else None,
+        }
 
 
 class GradientFlowError(RuntimeError):
