@@ -119,3 +119,26 @@ def test_cold_start_needs_fresh_processes(tmp_path):
         cfg = compose(config_name="config", overrides=["scenario=tiny", "isolate=false", "cold_start=true"])
     with pytest.raises(ValueError, match="cold_start=true .* needs isolate=true"):
         suite.run_suite(cfg)
+
+
+def test_process_env_reaches_every_system_process(tmp_path, monkeypatch):
+    envs = []
+
+    def fresh_process(task, preamble, timeout_s, env=None):
+        envs.append((task["kind"], env))
+        if task["kind"] == "probe":
+            return {"device": "CPU (test)", "matmul_probe_tflops": 1.0, "datasheet_bf16_tflops": None}
+        return {"status": "error", "reason": "not run"}
+
+    monkeypatch.setattr(suite, "_in_fresh_process", fresh_process)
+    overrides = ["scenario=tiny", "systems.names=[sloth_trainer]", f"out_dir={tmp_path}"]
+    overrides += ["+process_env.CUDA_MODULE_LOADING=EAGER", "git_commit=abc"]
+    for cold in ("false", "true"):
+        with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
+            suite.run_suite(compose(config_name="config", overrides=[*overrides, f"cold_start={cold}"]))
+    systems = [env for kind, env in envs if kind == "system"]
+    assert len(systems) == 3 and all(env["CUDA_MODULE_LOADING"] == "EAGER" for env in systems)
+    assert (
+        "TRITON_CACHE_DIR" not in systems[0]
+        and systems[1]["TRITON_CACHE_DIR"] == systems[2]["TRITON_CACHE_DIR"]
+    )

@@ -23,7 +23,9 @@ each system twice instead, in two fresh processes sharing a new, empty cache dir
 ``drop_page_cache=true`` and the rights to do it, the OS page cache is dropped first), then warm.
 The record is the warm run's, with the cold run's figures beside it (``cold``,
 ``cold_tokens_per_s_median``, ``cold_vs_warm``). Every record counts the compilations of each
-step (``compiles_per_step``, ``kernels_compiled_in_timed_steps``).
+step (``compiles_per_step``, ``kernels_compiled_in_timed_steps``). ``process_env`` sets
+variables in every system's process (``+process_env.CUDA_MODULE_LOADING=EAGER``: every CUDA
+kernel of the libraries loaded when the context starts, none on first use in a step).
 
 The guard: a system whose loss is not finite, or whose trainable gradients are all zero or not
 finite, gets ``status: "failed"`` and a reason; the report never shows it as fast.
@@ -240,12 +242,14 @@ def drop_page_cache() -> bool:
     return True
 
 
-def cold_and_warm(task: dict, preamble: str, timeout_s: float, drop_cache: bool = False) -> dict:
+def cold_and_warm(
+    task: dict, preamble: str, timeout_s: float, drop_cache: bool = False, env: dict | None = None
+) -> dict:
     """One system in two fresh processes sharing a new compile cache: cold (the cache empty), then
     warm. The warm record, with the cold one's figures under ``cold`` and the ratio of their
-    median real tokens/s in ``cold_vs_warm``."""
+    median real tokens/s in ``cold_vs_warm``. ``env``: more variables for both processes."""
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as root:
-        env = {variable: str(Path(root) / sub) for variable, sub in CACHE_VARIABLES.items()}
+        env = dict(env or {}) | {variable: str(Path(root) / sub) for variable, sub in CACHE_VARIABLES.items()}
         for path in env.values():
             Path(path).mkdir()
         dropped = drop_page_cache() if drop_cache else False
@@ -287,6 +291,7 @@ def run_suite(cfg) -> dict:
     if cold_start and not cfg["isolate"]:
         raise ValueError("cold_start=true measures each system in fresh processes: it needs isolate=true")
     configure_compile_caches()  # every process shares the user's compile caches
+    process_env = {str(k): str(v) for k, v in (cfg.get("process_env") or {}).items()}
     commit = cfg.get("git_commit")
     if commit is not None and not isinstance(commit, str):  # git_commit=982e255 reads as a float
         raise ValueError(
@@ -312,12 +317,12 @@ def run_suite(cfg) -> dict:
         begin = time.perf_counter()
         if cold_start:
             preamble = resolve(name).preamble
-            measured = cold_and_warm(task, preamble, timeout, bool(cfg.get("drop_page_cache")))
+            measured = cold_and_warm(task, preamble, timeout, bool(cfg.get("drop_page_cache")), process_env)
             record = {"system": name, "label": resolve(name).label} | measured
         elif cfg["isolate"]:
             preamble = resolve(name).preamble
             record = {"system": name, "label": resolve(name).label} | _in_fresh_process(
-                task, preamble, timeout
+                task, preamble, timeout, process_env
             )
         else:
             record = measure(name, scenario)
