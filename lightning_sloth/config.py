@@ -1,5 +1,8 @@
 """Typed configuration of the ``lightning-sloth`` app: structured-config schemas and their checks.
 
+It is one file: the schemas of every group, their ConfigStore entries and the checks of
+:func:`validate` are the app's whole configuration surface, read and changed together.
+
 Every YAML file under ``conf/`` extends one of these dataclasses through its defaults list, so
 Hydra rejects an unknown key (``model.hiden_size=3``) or a value of the wrong type or enum
 (``precision.precision=bf17``) while composing, before anything is built. :func:`validate`
@@ -257,16 +260,11 @@ class TrainerConfig:
         samples: validation prompts greedy-decoded and scored at each validation (0: none).
         sample_max_new_tokens: most tokens generated per sample.
         grad_guard_every_n_steps: cadence of ``GradientFlowGuard``'s all-zero gradient check.
-        max_nonfinite_steps: consecutive steps with a non-finite loss or gradients that are
-            skipped (no update, counted in ``train/skipped_steps``) before the run stops naming
-            the batch's documents (0: stop at the first; ``null``: no per-step check, which
-            saves one host read of the gradient norm per step).
+        max_nonfinite_steps: consecutive non-finite steps skipped (``train/skipped_steps``) before
+            the run stops (0: at the first; ``null``: no per-step check, one host read less).
         throughput_window: batches in ``SlothThroughputMonitor``'s rolling average.
-        progress: ``bar`` (a redrawn bar of steps), ``lines`` (a line every
-            ``progress_every_n_steps`` steps with the loss, real tokens/s and MFU, and one per
-            validation), ``auto``: a bar where stdout and stderr are a terminal, else lines.
-        progress_every_n_steps: cadence of the progress lines (``None``: about 20 lines per
-            run, a multiple of ``log_every_n_steps``).
+        progress: ``bar`` (redrawn), ``lines`` (loss, real tokens/s, MFU every
+            ``progress_every_n_steps``; ``None``: about 15 a run), ``auto``: a bar on a terminal.
     """
 
     accelerator: str = "auto"
@@ -532,11 +530,9 @@ def _check_trainer(trainer: DictConfig, errors: list[str]) -> None:
     for key in positive:
         if trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0, got {trainer[key]}")
-    for key in ("samples", "sample_max_new_tokens"):
-        if trainer[key] < 0:
+    for key in ("samples", "sample_max_new_tokens", "max_nonfinite_steps"):
+        if trainer[key] is not None and trainer[key] < 0:
             errors.append(f"trainer.{key}: must be >= 0, got {trainer[key]}")
-    if trainer.max_nonfinite_steps is not None and trainer.max_nonfinite_steps < 0:
-        errors.append(f"trainer.max_nonfinite_steps: must be >= 0 or null, got {trainer.max_nonfinite_steps}")
     for key in ("limit_val_batches", "checkpoint_every_n_steps", "progress_every_n_steps"):
         if trainer[key] is not None and trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0 or null, got {trainer[key]}")
