@@ -249,9 +249,10 @@ def cold_and_warm(
     warm. The warm record, with the cold one's figures under ``cold`` and the ratio of their
     median real tokens/s in ``cold_vs_warm``. ``env``: more variables for both processes."""
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as root:
-        env = dict(env or {}) | {variable: str(Path(root) / sub) for variable, sub in CACHE_VARIABLES.items()}
-        for path in env.values():
-            Path(path).mkdir()
+        caches = {variable: Path(root) / sub for variable, sub in CACHE_VARIABLES.items()}
+        for path in caches.values():
+            path.mkdir()
+        env = dict(env or {}) | {variable: str(path) for variable, path in caches.items()}
         dropped = drop_page_cache() if drop_cache else False
         begin = time.perf_counter()
         cold = _in_fresh_process(task, preamble, timeout_s, env) | {"page_cache_dropped": dropped}

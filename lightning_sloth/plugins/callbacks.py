@@ -267,8 +267,9 @@ OUT_OF_MEMORY_HINTS = (
 class OutOfMemoryAdvice(Callback):
     """Explains a CUDA out-of-memory error in a training step: what the step held and what would fit.
 
-    It remembers the current batch's sizes (host integers, no device work) and, when a step
-    raises ``torch.OutOfMemoryError``, builds :attr:`message`: the step, its real tokens, row
+    It remembers the current batch's sizes (host integers, no device work; training and
+    validation) and, when a step raises ``torch.OutOfMemoryError``, builds :attr:`message`: the
+    step, its real tokens, row
     length, documents and longest document, the peak allocated device memory and the device's
     total, and ``hints``. Lightning then re-raises the error (callers such as the app raise
     :class:`StepOutOfMemoryError` with the message); nothing is saved, so the last checkpoint is
@@ -283,9 +284,8 @@ class OutOfMemoryAdvice(Callback):
         self.message: str | None = None
         self._step: dict[str, int] | None = None
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def _remember(self, batch: Any) -> None:
+        self._step = None
         if hasattr(batch, "cu_seqlens"):
             self._step = {
                 "tokens": batch.num_tokens,
@@ -294,10 +294,25 @@ class OutOfMemoryAdvice(Callback):
                 "longest": batch.max_seqlen,
             }
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._remember(batch)
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._remember(batch)
+
     def describe(self, trainer: Trainer) -> str:
         """The message for an out-of-memory error in the current step."""
         device = trainer.strategy.root_device
-        where = "validation after " if trainer.validating else ""
+        where = "validation after " if trainer.validating or trainer.sanity_checking else ""
         step = self._step
         held = (
             f"{step['tokens']} real tokens in a {step['capacity']}-token row, {step['documents']} "
