@@ -28,7 +28,7 @@ def test_the_caches_go_under_the_users_cache_unless_set(tmp_path, monkeypatch):
         "TRITON_CACHE_DIR": str(tmp_path / "xdg" / "lightning_sloth" / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "xdg" / "lightning_sloth" / "inductor"),
     }
-    assert all(os.path.isdir(path) for path in dirs.values())
+    assert all(os.path.isdir(path) and os.stat(path).st_mode & 0o077 == 0 for path in dirs.values())
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
     assert configure_compile_caches(tmp_path / "other")["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     assert configure_compile_caches(tmp_path / "other", override=True)["TRITON_CACHE_DIR"] == str(

@@ -39,6 +39,8 @@ def configure_compile_caches(root: str | Path | None = None, *, override: bool =
     Sets ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` in this process's environment (so
     also in every process it starts) unless already set, or always with ``override``. Both
     compilers read the variables when they first compile, so call this before the first step.
+    Directories made here are readable and writable by the user alone: a compile cache is code
+    the next process runs.
 
     Returns:
         the cache directory of each variable now in effect.
@@ -46,8 +48,11 @@ def configure_compile_caches(root: str | Path | None = None, *, override: bool =
     root = Path(root) if root is not None else default_cache_root()
     for variable, subdir in CACHE_VARIABLES.items():
         if override or not os.environ.get(variable):
+            # What a compiler reads back from its cache runs (Inductor's holds pickled graphs):
+            # a directory made here is the user's alone.
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = root / subdir
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
             os.environ[variable] = str(path)
     return {variable: os.environ[variable] for variable in CACHE_VARIABLES}
 
