@@ -229,7 +229,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             cause = handle.error if handle is not None and handle.error is not None else error
             if not isinstance(cause, OSError):
                 raise
-            previous = "the previous checkpoint there is intact" if path.is_file() else "none was there before"
+            previous = (
+                "the previous checkpoint there is intact" if path.is_file() else "none was there before"
+            )
             reason = os.strerror(cause.errno) if cause.errno else str(cause)
             raise CheckpointWriteError(
                 cause.errno or errno.EIO,

@@ -166,7 +166,9 @@ class ProgressLines(ProgressBar):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        metrics = {k.removeprefix("val/"): v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        metrics = {
+            k.removeprefix("val/"): v for k, v in trainer.callback_metrics.items() if k.startswith("val/")
+        }
         shown = ", ".join(f"{k} {float(v):.4f}" for k, v in metrics.items()) or "no metrics"
         seconds = time.perf_counter() - self._validation_start
         self._print(f"validation at step {trainer.global_step}: {shown} ({seconds:.1f} s)")
