@@ -1,22 +1,29 @@
-"""README benchmark tables and plots, generated from the committed JSON under ``benchmarks/results/``.
+"""Benchmark tables and plots of README.md and docs/*.md, generated from the committed JSON under
+``benchmarks/results/``.
 
-    python -m lightning_sloth.bench report            # rewrite the README blocks, draw the plots
-    python -m lightning_sloth.bench report --check    # exit 1 if the README differs from the JSON
+    python -m lightning_sloth.bench report            # rewrite the blocks, draw the plots
+    python -m lightning_sloth.bench report --check    # exit 1 naming each file that differs
 
-A README block is everything between two markers; its content is generated, never typed::
+A block is everything between two markers, in README.md or any ``docs/*.md``; its content is
+generated, never typed::
 
     <!-- bench:NAME sources=a.json,b.json baseline=hf_padded -->
     ...
     <!-- /bench:NAME -->
 
 ``kind`` picks the renderer: ``suite`` (default: files of the suite and of the argparse harness),
-``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``moe_layer``, ``kernels``, ``offload``.
+``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``moe_layer``, ``kernels``, ``offload``,
+``headline`` (several scenarios, one row each, chosen systems as columns, with a plot) and
+``families`` (the supported-models table from ``lightning_sloth.patching.families`` and the tests
+that name each family; no result files).
 ``sources`` (default ``NAME.json``) are read in order; a system measured in several keeps the last
 file's record, in the place it first appeared. ``baseline`` adds a column with each system's
 throughput relative to that system. A block of suite files (with a ``scenario``) gets a plot,
 ``NAME.png`` beside them (tokens/s with the min-max spread of the timed steps, and peak memory),
-linked under its table; a suite file in no block gets ``<stem>.png``. Older result files lack some fields (spread,
-measured MFU, LoRA A/B norms, status): their cells read "—".
+linked under its table by a path relative to the markdown file; a suite file in no block gets
+``<stem>.png``. A block name is one plot: the same name in two files must have the same
+parameters. Older result files lack some fields (spread, measured MFU, LoRA A/B norms, status):
+their cells read "—".
 """
 
 from __future__ import annotations
@@ -214,8 +221,8 @@ def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
 
     def block(match: re.Match) -> str:
         name, params, sources = _block_sources(match)
-        reports = _load(results_dir, name, sources)
         kind = params.get("kind", "suite")
+        reports = [] if kind in SOURCELESS else _load(results_dir, name, sources)
         if kind == "suite":
             body = render_table(reports, sources, params.get("baseline"))
         elif kind in RENDERERS:
@@ -228,6 +235,9 @@ def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
             png = results_dir / f"{name}.png"
             title = reports[0]["scenario"].get("title", name)
             body += f"\n![{title}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
+        elif kind in PLOTTERS:
+            png = results_dir / f"{name}.png"
+            body += f"\n![{PLOTTERS[kind][1]}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
         return f"<!-- bench:{name}{match.group('params')} -->\n{body}<!-- /bench:{name} -->"
 
     return MARKER.sub(block, text)
@@ -238,13 +248,17 @@ def plots(text: str, results_dir: Path) -> list[Path]:
     suite file (``<stem>.png``); returns the paths written."""
     written, used = [], set()
     for match in MARKER.finditer(text):
-        name, _, sources = _block_sources(match)
+        name, params, sources = _block_sources(match)
+        kind = params.get("kind", "suite")
+        if kind in SOURCELESS or results_dir / f"{name}.png" in written:  # a block in two files: one plot
+            continue
         reports = _load(results_dir, name, sources)
-        if (
-            all("scenario" in r for r in reports)
-            and _params(match.group("params")).get("kind", "suite") == "suite"
-        ):
+        if all("scenario" in r for r in reports) and kind == "suite":
             plot(merged_report(reports), results_dir / f"{name}.png")
+            written.append(results_dir / f"{name}.png")
+            used.update(sources)
+        elif kind in PLOTTERS:
+            PLOTTERS[kind][0](reports, sources, params, results_dir / f"{name}.png")
             written.append(results_dir / f"{name}.png")
             used.update(sources)
     for path in suite_files(results_dir):
@@ -308,31 +322,55 @@ def suite_files(results_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_sloth.bench report",
-        description="Regenerate the README's benchmark tables and the plots from the result JSON.",
+        description="Regenerate the benchmark tables of README.md and docs/*.md, and the plots, from the result JSON.",
     )
     parser.add_argument("--results", default="benchmarks/results", help="folder of result JSON")
     parser.add_argument("--readme", default="README.md")
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
+    parser.add_argument("--docs", help="folder of further markdown files (default: docs/ beside the README)")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a file is stale")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     results, readme = Path(args.results), Path(args.readme)
-    text = readme.read_text()
-    new = update_readme(text, results, readme.resolve().parent)
+    files = markdown_files(readme, Path(args.docs) if args.docs else readme.parent / "docs")
+    texts = {path: path.read_text() for path in files}
+    check_block_names(texts)
+    new = {path: update_readme(text, results, path.resolve().parent) for path, text in texts.items()}
+    stale = [path for path in files if new[path] != texts[path]]
     if args.check:
-        if new != text:
+        for path in stale:
             print(
-                f"{readme}: benchmark tables differ from {results}; run `python -m lightning_sloth.bench report`"
+                f"{path}: benchmark tables differ from {results}; run `python -m lightning_sloth.bench report`"
             )
+        if stale:
             return 1
-        print(f"{readme}: benchmark tables match {results}")
+        print(f"{', '.join(map(str, files))}: benchmark tables match {results}")
         return 0
-    if new != text:
-        readme.write_text(new)
-    print(f"{readme}: {len(MARKER.findall(new))} benchmark tables generated")
+    for path in files:
+        if path in stale:
+            path.write_text(new[path])
+        print(f"{path}: {len(MARKER.findall(new[path]))} benchmark tables generated")
     if not args.no_plots:
-        for path in plots(new, results):
+        for path in plots("\n".join(new.values()), results):
             print(f"plot {path}")
     return 0
+
+
+def markdown_files(readme: Path, docs: Path) -> list[Path]:
+    """The files whose blocks ``report`` rewrites: the README, then every ``*.md`` of ``docs``."""
+    return [readme, *sorted(docs.glob("*.md"))]
+
+
+def check_block_names(texts: dict[Path, str]) -> None:
+    """A block name is one plot (``NAME.png``): refuse one name with two parameter sets."""
+    seen: dict[str, tuple[str, Path]] = {}
+    for path, text in texts.items():
+        for match in MARKER.finditer(text):
+            name, params = match.group("name"), match.group("params").strip()
+            first = seen.setdefault(name, (params, path))
+            if first[0] != params:
+                raise ValueError(
+                    f"block {name!r} is in {first[1]} and {path} with different parameters; rename one"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,8 +478,12 @@ MOE_SHAPE_NAMES = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "gpt_oss_20b": "GPT-OSS-20B
 
 def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> str:
     """One MoE layer (``benchmarks/moe_bench.py``): median ms and peak over the layer's inputs per
-    experts implementation, with the speed-up and the memory ratio against ``grouped_mm``."""
+    experts implementation, with the speed-up and the memory ratio against ``grouped_mm``; a column
+    for 4-bit experts (``sloth_nf4``) where a file measured them."""
+    nf4 = any("sloth_nf4" in result for report in reports for result in report["results"].values())
+    impls = ("eager", "grouped_mm", "sloth", "sloth_nf4")[: 4 if nf4 else 3]
     header = ["shape, experts", "transformers `eager`", "transformers `grouped_mm`", "lightning_sloth"]
+    header += ["lightning_sloth, NF4 experts"] if nf4 else []
     header += ["speed-up vs `grouped_mm`", "peak vs `grouped_mm`"]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     for report in reports:
@@ -454,10 +496,10 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
             label = f"{name} ({cfg['hidden_size']}, {experts} × {inter}, top-{cfg['num_experts_per_tok']}), "
             label += "LoRA on experts" if mode == "lora" else mode
             cells = []
-            for impl in ("eager", "grouped_mm", "sloth"):
+            for impl in impls:
                 m = result.get(impl)
                 cells.append(f"{m['median_ms']:.1f} ms / {m['peak_over_base_gib']:.2f} GiB" if m else DASH)
-            cells[-1] = f"**{cells[-1]}**"
+            cells[2] = f"**{cells[2]}**"
             speed, memory = result.get("speedup_vs_grouped_mm"), result.get("memory_ratio_vs_grouped_mm")
             lines.append(
                 f"| {label} | " + " | ".join(cells) + f" | {_num(speed, '.2f')}× | {_num(memory, '.2f')} |"
@@ -565,10 +607,248 @@ def render_offload(reports: list[dict], sources: list[str], params: dict) -> str
     return _env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------
+# The headline block: several scenarios, one row each, the chosen systems as columns, and a plot.
+#
+#     <!-- bench:headline kind=headline sources=a.json,b.json,c.json
+#          columns=hf_packed_varlen|hf_bnb_packed,sloth_kernels|sloth_nf4 ratio=sloth_kernels/hf_packed_varlen -->
+#
+# Files are grouped into rows by scenario (a suite file's ``scenario.name``; a file of
+# ``benchmarks/qlora_bench.py``, which has a top-level ``shape``, is scenario ``qlora_<shape>``;
+# else ``workload.shape``), in the order the rows first appear; within a row a later file's record
+# of a system replaces an earlier one. A column is a list of systems separated by ``|``: the first
+# one a row has (and that ran) fills the cell, and a cell filled by another than the first is marked
+# with a letter explained under the table. ``ratio=A/B`` adds the column (first system A) over the
+# column (first system B) per row.
+
+HEADLINE_COLUMNS = {
+    "hf_packed_varlen": "transformers + PEFT (packed, varlen attention)",
+    "hf_packed_sdpa": "transformers + PEFT (packed, SDPA)",
+    "liger_packed_varlen": "Liger-Kernel",
+    "unsloth_packed": "Unsloth",
+    "sloth_kernels": "lightning_sloth",
+    "sloth_kernels_offload": "lightning_sloth + offload",
+}
+"""Column titles by the column's first system (else the system's label)."""
+
+
+def scenario_key(report: dict) -> str:
+    """Which scenario a result file measured (see the headline block above)."""
+    if "scenario" in report:
+        return report["scenario"]["name"]
+    if "shape" in report:
+        return f"qlora_{report['shape']}"
+    return report.get("workload", {}).get("shape", "?")
+
+
+def scenario_title(key: str, report: dict) -> str:
+    """A scenario's title: the file's own, else its config's (``conf/bench/scenario/<key>.yaml``)."""
+    if report.get("scenario", {}).get("title"):
+        return report["scenario"]["title"]
+    from importlib import resources
+
+    import yaml
+
+    path = resources.files("lightning_sloth.conf.bench").joinpath("scenario", f"{key}.yaml")
+    if path.is_file():
+        return yaml.safe_load(path.read_text()).get("title", key)
+    return key
+
+
+def _commit(report: dict) -> str | None:
+    commit = report.get("environment", {}).get("git_commit") or report.get("git_commit")
+    return str(commit)[:10] if commit else None
+
+
+def headline_rows(reports: list[dict], params: dict) -> tuple[list[str], list[tuple[str, list]]]:
+    """Column titles and, per scenario, ``(title, cells)``: a cell is ``(system, record)`` or None."""
+    columns = [column.split("|") for column in params["columns"].split(",")]
+    titles = [HEADLINE_COLUMNS.get(c[0]) or system_label({"system": c[0]}) for c in columns]
+    groups: dict[str, list[dict]] = {}
+    for report in reports:
+        groups.setdefault(scenario_key(report), []).append(report)
+    rows = []
+    for key, group in groups.items():
+        records = {r["system"]: r for r in merged_results(group)}
+        ok = {s: r for s, r in records.items() if status(r) == "ok" and tokens_per_s(r) is not None}
+        cells = [next(((s, ok[s]) for s in column if s in ok), None) for column in columns]
+        rows.append((scenario_title(key, group[-1]), cells))
+    return titles, rows
+
+
+def headline_marks(rows: list[tuple[str, list]], params: dict) -> dict[str, str]:
+    """A letter for each system that fills a cell of a column it is not the first system of."""
+    firsts = [column.split("|")[0] for column in params["columns"].split(",")]
+    marks: dict[str, str] = {}
+    for _, cells in rows:
+        for first, cell in zip(firsts, cells):
+            if cell is not None and cell[0] != first:
+                marks.setdefault(cell[0], "abcdefghijklmnopqrstuvwxyz"[len(marks)])
+    return marks
+
+
+def render_headline(reports: list[dict], sources: list[str], params: dict) -> str:
+    """One row per scenario: real tokens/s (median) and peak allocated GiB of each column's system."""
+    titles, rows = headline_rows(reports, params)
+    firsts = [column.split("|")[0] for column in params["columns"].split(",")]
+    marks = headline_marks(rows, params)
+    header = ["scenario", *titles]
+    ratio = params["ratio"].split("/") if params.get("ratio") else None
+    if ratio:
+        short = [titles[firsts.index(first)].split(" (")[0] for first in ratio]
+        header.append(f"{short[0]} ÷ {short[1]}")
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for title, cells in rows:
+        out = []
+        for cell in cells:
+            if cell is None:
+                out.append(DASH)
+                continue
+            system, record = cell
+            text = f"{tokens_per_s(record):,.0f} · {_num(record.get('peak_allocated_gib'), '.1f')} GiB"
+            out.append(text + (f" ({marks[system]})" if system in marks else ""))
+        if ratio:
+            by_first = dict(zip(firsts, cells))
+            top, bottom = by_first.get(ratio[0]), by_first.get(ratio[1])
+            out.append(f"{tokens_per_s(top[1]) / tokens_per_s(bottom[1]):.2f}×" if top and bottom else DASH)
+        lines.append(f"| {_cell(title)} | " + " | ".join(out) + " |")
+    files = ", ".join(
+        f"`{source}`" + (f" (commit {_commit(r)})" if _commit(r) else "")
+        for source, r in zip(sources, reports)
+    )
+    devices = sorted({r.get("environment", {}).get("device", "?") for r in reports})
+    parts = [" and ".join(devices)]
+    for key in ("torch", "triton", "transformers", "peft", "liger_kernel", "unsloth"):
+        value = next((r["environment"][key] for r in reports if r.get("environment", {}).get(key)), None)
+        if value:
+            parts.append(f"{key.replace('_', '-')} {value}")
+    caption = (
+        f"Generated from {files}: {', '.join(parts)}. Each cell: median real (non-padding) tokens/s · "
+        "peak allocated GiB, the same model, rows and LoRA for every system of a row."
+    )
+    text = caption + "\n\n" + "\n".join(lines) + "\n"
+    if marks:
+        text += (
+            "\n" + "; ".join(f"({m}) {_cell(system_label({'system': s}))}" for s, m in marks.items()) + ".\n"
+        )
+    return text
+
+
+def plot_headline(reports: list[dict], sources: list[str], params: dict, path: Path) -> None:
+    """A PNG of the headline block: per scenario, real tokens/s of each column's system (bars) with
+    its peak allocated GiB written beside the bar; a marked cell keeps its letter from the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    titles, rows = headline_rows(reports, params)
+    marks = headline_marks(rows, params)
+    panels = [[(t, c) for t, c in zip(titles, cells) if c is not None] for _, cells in rows]
+    fig, axes = plt.subplots(
+        len(rows),
+        1,
+        figsize=(10, 1.2 + 0.36 * sum(len(p) + 1.5 for p in panels)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [len(p) + 1.5 for p in panels]},
+    )
+    for axis, (title, _), shown in zip(axes[:, 0], rows, panels):
+        y = list(range(len(shown)))[::-1]
+        values = [tokens_per_s(record) for _, (_, record) in shown]
+        colors = ["#2a7ab9" if system.startswith("sloth") else "#8a8a8a" for _, (system, _) in shown]
+        axis.barh(y, values, color=colors)
+        labels = [t + (f" ({marks[system]})" if system in marks else "") for t, (system, _) in shown]
+        axis.set_yticks(y, labels, fontsize=8)
+        for yy, value, (_, (_, record)) in zip(y, values, shown):
+            gib = record.get("peak_allocated_gib")
+            axis.text(
+                value, yy, f" {value:,.0f}" + (f" · {gib:.1f} GiB" if gib else ""), va="center", fontsize=7
+            )
+        axis.set_xlim(0, max(values) * 1.3)
+        axis.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:.0f}k"))
+        axis.set_title(title, fontsize=9, loc="left")
+        axis.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel(
+        "real (non-padding) tokens/s, median; · peak allocated GiB; letters as in the table"
+    )
+    devices = " and ".join(sorted({r.get("environment", {}).get("device", "?") for r in reports}))
+    fig.suptitle(f"lightning_sloth beside the other stacks: {devices}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The supported-models block (``kind=families``): one row per entry of the family table, and the
+# test files that name the family's model_type as a string.
+
+
+def norm_style_text(style) -> str:
+    """How a family's RMSNorm rounds, in a few words."""
+    weight = "(1 + w)" if style.offset else "w"
+    return f"{weight} · x̂, product in fp32" if style.fp32_product else f"{weight} · x̂, x̂ rounded first"
+
+
+def tests_naming(model_type: str, tests: dict[str, str]) -> list[str]:
+    """The names of the test files (name -> source) holding ``model_type`` as a quoted string."""
+    pattern = re.compile(rf"([\"']){re.escape(model_type)}\1")
+    return [name for name, source in tests.items() if pattern.search(source)]
+
+
+def families_table(families: dict, cpu_tests: dict[str, str], gpu_tests: dict[str, str]) -> str:
+    """The markdown table of a family table (``model_type`` -> ``Family``) and the tests naming each."""
+    header = ["`model_type`", "RMSNorm", "RoPE", "gated MLP", "residual add + norm fused", "loss"]
+    header += ["MoE experts and router", "tested on CPU", "tested on GPU"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " --- |" * (len(header) - 1)]
+    for model_type, family in families.items():
+        glu = f"SwiGLU / GeGLU by `config.{family.activation_attr}`" if family.mlps else DASH
+        loss = "fused linear cross-entropy" + (" + load-balancing loss" if family.moe else "")
+        experts = "grouped experts, router in fp32" if family.experts else DASH
+        cells = [
+            f"`{model_type}`",
+            norm_style_text(family.norm_style),
+            f"`{family.rope_layout}`",
+            glu,
+            "yes" if family.decoder_layers else DASH,
+            loss,
+            experts,
+        ]
+        for tests in (cpu_tests, gpu_tests):
+            names = tests_naming(model_type, tests)
+            cells.append(", ".join(f"`{n}`" for n in names) if names else "no")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _test_sources(folder: Path) -> dict[str, str]:
+    return {path.name.removesuffix(".py"): path.read_text() for path in sorted(folder.glob("test_*.py"))}
+
+
+def render_families(reports: list[dict], sources: list[str], params: dict) -> str:
+    """The supported-models table: ``lightning_sloth.patching.families.FAMILIES`` and the repository's
+    ``tests/test_*.py`` (CPU) and ``tests/gpu/test_*.py`` (GPU) that name each family."""
+    import lightning_sloth
+    from lightning_sloth.patching.families import FAMILIES
+
+    tests = Path(lightning_sloth.__file__).resolve().parents[1] / "tests"
+    caption = (
+        "Generated from `lightning_sloth/patching/families.py` and the test files under `tests/` "
+        "(CPU) and `tests/gpu/` (GPU) that name the family's `model_type`."
+    )
+    return caption + "\n\n" + families_table(FAMILIES, _test_sources(tests), _test_sources(tests / "gpu"))
+
+
 RENDERERS = {
     "compact": render_compact,
     "fsdp": render_fsdp,
     "moe_layer": render_moe_layer,
     "kernels": render_kernels,
     "offload": render_offload,
+    "headline": render_headline,
+    "families": render_families,
 }
+PLOTTERS = {"headline": (plot_headline, "real tokens/s per scenario and system")}
+"""Kinds that draw their own plot, ``NAME.png``: the drawing function and the image's alt text."""
+SOURCELESS = {"families"}
+"""Kinds that read no result file."""
