@@ -736,7 +736,8 @@ def render_headline(reports: list[dict], sources: list[str], params: dict) -> st
 
 def plot_headline(reports: list[dict], sources: list[str], params: dict, path: Path) -> None:
     """A PNG of the headline block: per scenario, real tokens/s of each column's system (bars) with
-    its peak allocated GiB written beside the bar; a marked cell keeps its letter from the table."""
+    its peak allocated GiB written beside the bar; a marked cell is labelled by its own system,
+    with its letter from the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -758,7 +759,10 @@ def plot_headline(reports: list[dict], sources: list[str], params: dict, path: P
         values = [tokens_per_s(record) for _, (_, record) in shown]
         colors = ["#2a7ab9" if system.startswith("sloth") else "#8a8a8a" for _, (system, _) in shown]
         axis.barh(y, values, color=colors)
-        labels = [t + (f" ({marks[system]})" if system in marks else "") for t, (system, _) in shown]
+        labels = [  # a cell of another system than the column's first: that system's own label
+            f"{system_label({'system': system})} ({marks[system]})" if system in marks else t
+            for t, (system, _) in shown
+        ]
         axis.set_yticks(y, labels, fontsize=8)
         for yy, value, (_, (_, record)) in zip(y, values, shown):
             gib = record.get("peak_allocated_gib")
@@ -770,7 +774,7 @@ def plot_headline(reports: list[dict], sources: list[str], params: dict, path: P
         axis.set_title(title, fontsize=9, loc="left")
         axis.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel(
-        "real (non-padding) tokens/s, median; · peak allocated GiB; letters as in the table"
+        "real (non-padding) tokens/s, median · peak allocated GiB; letters as in the table"
     )
     devices = " and ".join(sorted({r.get("environment", {}).get("device", "?") for r in reports}))
     fig.suptitle(f"lightning_sloth beside the other stacks: {devices}", fontsize=10)
