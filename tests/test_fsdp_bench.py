@@ -45,7 +45,7 @@ def test_an_unknown_system_is_refused_before_any_runs():
 
 
 def test_the_fsdp_table_shows_scaling_and_busy_shares_where_profiled():
-    from lightning_sloth.bench.report import render_fsdp
+    from lightning_sloth.bench.tables import render_fsdp
 
     def run(system, world, tps, **extra):
         return {

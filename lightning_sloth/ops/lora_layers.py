@@ -17,8 +17,8 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from lightning_sloth.ops.registry import call
 from lightning_sloth.ops.lora import UnreadSum, lora_linear_op
+from lightning_sloth.ops.registry import call
 
 __all__ = ["adapter_casts", "compute_parts", "fused_lora_forward", "plain_parts"]
 
