@@ -5,7 +5,7 @@ Python and dispatcher cost of every op call, per layer, in the forward and again
 This measures that cost in isolation, on whatever device is given (the CPU works: the figures are
 the host's), as the best of several blocks of calls::
 
-    python benchmarks/host_calls.py --device cpu --out host_calls.json
+    python benchmarks/probes/host_calls.py --device cpu --out host_calls.json
 """
 
 from __future__ import annotations
