@@ -326,3 +326,33 @@ def test_llama4_layers_that_a_packed_row_would_change_are_refused():
             alone = reference(input_ids=torch.tensor([doc])).logits[0]
             torch.testing.assert_close(logits[start : start + len(doc)], alone, rtol=1e-5, atol=1e-5)
             start += len(doc)
+
+
+# ----------------------------------------------------------------------------- bench scenarios
+@pytest.mark.parametrize("scenario", ["qwen3_5_moe_8l", "deepseek_v3_4l"])
+def test_bench_scenarios_build_at_their_shapes_with_every_lora_target_found(scenario):
+    """The GPU scenarios' inline configs build (on the meta device) as the family's causal LM, and
+    every LoRA target of the scenario names modules (or expert parameters) of it."""
+    from pathlib import Path
+
+    import yaml
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from lightning_sloth.bench.workload import SHAPE_LORA, register_scenario, shape_config
+
+    path = Path(__file__).resolve().parents[1] / "conf" / "bench" / "scenario" / f"{scenario}.yaml"
+    workload = register_scenario(yaml.safe_load(path.read_text()))
+    config = shape_config(workload.shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert config.model_type in ("qwen3_5_moe_text", "deepseek_v3") and workload.tokens_per_step == 16384
+    lora = SHAPE_LORA[workload.shape]
+    names = [name for name, _ in model.named_modules()]
+    for target in lora["target_modules"]:
+        single = LoraConfig(target_modules=[target])
+        assert any(check_target_module_exists(single, name) for name in names), target
+    params = {name for name, p in model.named_parameters() if p.dim() == 3}
+    for target in lora["target_parameters"]:
+        assert any(name.endswith(target) for name in params), target
+    with pytest.raises(ValueError, match="unknown lora keys"):
+        register_scenario({"name": "x", "shape": "tiny", "lora": {"target_module": ["q_proj"]}})
