@@ -92,7 +92,7 @@ def expert_lora_factors(wrapper: nn.Module, transposed: bool | None = None) -> L
         wrapper, "_did_swap_in_out_features", not getattr(wrapper.get_base_layer(), "is_transposed", False)
     )
     if transposed is not None and peft_read_out_in == transposed:
-        a, b = b.transpose(1, 2), a.transpose(1, 2)
+        a, b = b.transpose(1, 2).contiguous(), a.transpose(1, 2)  # the GEMMs take A [E, r, in] row-major
     return LoraFactors(a=a, b=b, scale=float(wrapper.scaling[adapter]))
 
 
