@@ -301,6 +301,30 @@ def test_moe_false_gives_transformers_blocks_back():
     assert "forward" not in block.__dict__ and report.experts.blocks == []
 
 
+def test_qwen3_5_moe_multimodal_wrapper_finds_its_text_experts():
+    """The released Qwen3.5-MoE class (``qwen3_5_moe``, vision + text) routes its text experts by the
+    ``qwen3_5_moe_text`` row."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = {k: v for k, v in {**_COMMON, **CONFIGS["qwen3_5_moe_text"]}.items() if k != "attn_implementation"}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+        spatial_merge_size=1, temporal_patch_size=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForConditionalGeneration(
+        Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    ).eval()
+    reference = copy.deepcopy(model)
+    reference.set_experts_implementation("eager")
+    report = apply_experts(model)
+    assert report.model_type == "qwen3_5_moe" and report.implementation == "sloth"
+    assert len(report.experts) == 2 and len(report.routers) == 2
+    ids = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert _rel(model(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+
+
 # ------------------------------------------------------------------------- Llama 4's row checks
 def test_llama4_layers_that_a_packed_row_would_change_are_refused():
     docs = random_documents(LENGTHS, seed=6, vocab=VOCAB)
