@@ -131,6 +131,7 @@ class Workload:
     warmup_steps: int = 3
     timed_steps: int = 20
     seed: int = 0
+    init_dtype: str = "float32"  # the dtype random weights are drawn in (bfloat16 where float32 won't fit)
 
     def lengths(self, count: int) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed)
@@ -270,7 +271,9 @@ def build_base_model(workload: Workload, attn: str):
     torch.manual_seed(workload.seed)
     config = shape_config(workload.shape, attn)
     with torch.device(bench_device()):
-        return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, workload.init_dtype)).to(
+            torch.bfloat16
+        )
 
 
 def build_model(workload: Workload, attn: str, checkpointing: bool = True, base=None):
