@@ -205,16 +205,55 @@ def _packed_attention(
         _check_cu_seqlens(cu_seqlens_k, seq_len, "cu_seq_lens_k")
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
+    _check_row_independent(module, seq_len, cu_seqlens, max_q)
 
     query, key, value = _autocast_inputs(query, key, value)
     backend = _resolve_backend(query, key, value)
+    value_dim = value.shape[-1]
+    if backend == "varlen" and value_dim < head_dim:
+        # MLA (DeepSeek-V3): values narrower than queries/keys. The flash kernel takes one head
+        # size; zero columns added to V leave the first value_dim output columns and every
+        # gradient unchanged, and the extra output columns are dropped.
+        value = torch.nn.functional.pad(value, (0, head_dim - value_dim))
     if backend == "varlen":
         out = varlen_packed(query, key, value, cu_seqlens, cu_seqlens_k, max_q, max_k, scaling, window, sinks)
+        out = out[..., :value_dim] if value_dim < head_dim else out
     elif backend == "flex":
         out = flex_packed(query, key, value, cu_seqlens, scaling, window, sinks)
     else:
         out = sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks)
     return out, None
+
+
+def _check_row_independent(module, seq_len: int, cu_seqlens: Tensor, max_q: int) -> None:
+    """Refuse layers whose attention a packed row would change (Llama 4), instead of a wrong result.
+
+    Llama 4 computes two things from the position in the row rather than in the document: the
+    query temperature of its NoPE layers (``arange`` over the row, which moves off 1 from
+    position ``floor_scale - 1`` on) and the chunks of its chunked-attention layers (masked by
+    transformers, which "sloth" replaces by document-causal attention). Rows shorter than
+    ``floor_scale`` and documents no longer than a chunk are exact; others are refused.
+    """
+    config = getattr(module, "config", None)
+    floor_scale = getattr(module, "floor_scale", None)
+    tuned = getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+    if tuned and floor_scale and seq_len >= floor_scale and cu_seqlens.shape[0] > 2:
+        raise NotImplementedError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) scales its queries by a "
+            f"temperature of the position in the row, which differs from the position in the document from "
+            f"{floor_scale} tokens on: pack rows shorter than floor_scale={floor_scale} tokens, or set "
+            "config.attn_temperature_tuning=False"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer = getattr(module, "layer_idx", None)
+    chunked = layer is not None and layer < len(layer_types) and layer_types[layer] == "chunked_attention"
+    if chunked and chunk and max_q > chunk:
+        raise NotImplementedError(
+            f"{type(module).__name__} (layer {layer}) attends within chunks of {chunk} tokens, which packed "
+            f"attention does not mask: keep documents to at most attention_chunk_size={chunk} tokens "
+            f"(the longest here is {max_q})"
+        )
 
 
 def _host_int(value, name: str) -> int:

@@ -100,7 +100,14 @@ SHAPE_FAMILIES = {
 }
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = (
+    "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "glm4_moe", "deepseek_v3",
+    "llama4_text",
+)  # fmt: skip
+
+# A scenario's own LoRA targets (its ``lora:`` entry), for shapes whose projections have other names
+# (DeepSeek-V3's MLA, Qwen3.5's linear-attention layers): ``{"target_modules", "target_parameters"}``.
+SHAPE_LORA: dict[str, dict] = {}
 
 
 def bench_device() -> torch.device:
@@ -124,6 +131,7 @@ class Workload:
     warmup_steps: int = 3
     timed_steps: int = 20
     seed: int = 0
+    init_dtype: str = "float32"  # the dtype random weights are drawn in (bfloat16 where float32 won't fit)
 
     def lengths(self, count: int) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed)
@@ -155,6 +163,12 @@ def register_scenario(scenario: dict) -> Workload:
         model = dict(model)
         SHAPE_FAMILIES[shape] = model.pop("model_type", "llama")
         SHAPES[shape] = model
+    if scenario.get("lora"):
+        lora = {key: list(value) for key, value in dict(scenario["lora"]).items()}
+        unknown = set(lora) - {"target_modules", "target_parameters"}
+        if unknown:
+            raise ValueError(f"scenario {scenario['name']!r}: unknown lora keys {sorted(unknown)}")
+        SHAPE_LORA[shape] = lora
     if shape not in SHAPES:
         raise ValueError(f"scenario {scenario['name']!r}: unknown shape {shape!r} and no model given")
     known = {f.name for f in fields(Workload)}
@@ -257,23 +271,22 @@ def build_base_model(workload: Workload, attn: str):
     torch.manual_seed(workload.seed)
     config = shape_config(workload.shape, attn)
     with torch.device(bench_device()):
-        return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, workload.init_dtype)).to(
+            torch.bfloat16
+        )
 
 
 def build_model(workload: Workload, attn: str, checkpointing: bool = True, base=None):
     """A random-weight model of the workload's shape in bf16, with PEFT LoRA on all projections (a MoE
-    shape: attention and experts); ``base`` (e.g. a 4-bit model) instead of a fresh bf16 one."""
+    shape: attention and experts; a scenario's ``lora:`` targets where it has them); ``base`` (e.g.
+    a 4-bit model) instead of a fresh bf16 one."""
     from peft import LoraConfig, get_peft_model
 
     model = build_base_model(workload, attn) if base is None else base
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     moe = SHAPE_FAMILIES.get(workload.shape) in MOE_FAMILIES
-    lora = LoraConfig(
-        r=workload.lora_r,
-        lora_alpha=2 * workload.lora_r,
-        **(MOE_LORA if moe else {"target_modules": projections}),
-        task_type="CAUSAL_LM",
-    )
+    targets = SHAPE_LORA.get(workload.shape) or (MOE_LORA if moe else {"target_modules": projections})
+    lora = LoraConfig(r=workload.lora_r, lora_alpha=2 * workload.lora_r, **targets, task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

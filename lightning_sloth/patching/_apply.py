@@ -245,7 +245,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
         row = next((row for row in rows if isinstance(module, row.classes)), None)
         forward = row.forward_for(module) if row is not None else None
         if forward is None:
-            if _forwards.patched_op(module) != "moe_router":  # apply_experts owns the routers
+            if _forwards.patched_op(module) not in ("moe_router", "moe_block"):  # apply_experts owns these
                 _forwards.restore(module)
             if row is not None:
                 report.skipped[row.op] = f"{type(module).__name__}: {row.unavailable}"

@@ -21,15 +21,22 @@ column                  what it decides
                         (``lightning_sloth.moe``, selected by ``patching.apply_experts``).
 ``routers``             top-k router classes -> the family's router with logits in float32
                         (``lightning_sloth.moe.routing``, installed by ``apply_experts``).
+``moe_blocks``          MoE blocks that never dispatch their experts through the interface (Llama 4
+                        runs every expert on every token) -> a block forward that routes in float32
+                        and runs the routed rows only (``apply_experts``).
 ``decoder_layers``      pre-norm decoder layers (``input_layernorm`` -> ``self_attn`` -> add ->
                         ``post_attention_layernorm`` -> ``mlp`` -> add) -> ``add_rms_norm`` for the
                         residual add and the norm after attention (Llama-order norms only).
 ======================  ==========================================================================
 
-MoE families (qwen3_moe, mixtral, gpt_oss) get the norm, rope and loss parts here; their experts
-(transformers' fused 3-D parameters) are switched through transformers' experts interface to
-``lightning_sloth.moe`` (Qwen3-MoE's dense ``mlp_only_layers`` MLPs are plain gated MLPs and are
-listed).
+MoE families (qwen3_moe, mixtral, gpt_oss, qwen2_moe, qwen3_next, qwen3_5_moe_text, glm4_moe,
+deepseek_v3, llama4_text) get the norm, rope and loss parts here; their experts (transformers'
+fused 3-D parameters) are switched through transformers' experts interface to
+``lightning_sloth.moe``. Their gated MLP class is listed under ``mlps``: it is the dense layers'
+MLP (Qwen's ``mlp_only_layers``, DeepSeek/GLM's ``first_k_dense_replace`` layers, Llama 4's
+non-MoE layers) and the shared expert (Qwen2-MoE/Qwen3-Next/Qwen3.5-MoE behind their sigmoid
+``shared_expert_gate``, which stays transformers' ``nn.Linear``; DeepSeek/GLM's ``shared_experts``;
+Llama 4's ``shared_expert``), all ``down(act(gate(x)) * up(x))``.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class Family:
     moe: bool = False
     experts: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
+    moe_blocks: tuple[str, ...] = ()
     decoder_layers: tuple[str, ...] = ()
 
     def modeling(self) -> ModuleType:
@@ -114,6 +122,31 @@ def _dense(
         rope_layout="rotate_half",
         causal_lms=(f"{prefix}ForCausalLM",),
         decoder_layers=(f"{prefix}DecoderLayer",) if pre_norm_layers else (),
+    )
+
+
+def _moe(
+    prefix: str,
+    package: str,
+    experts: tuple[str, ...],
+    routers: tuple[str, ...] = (),
+    moe_blocks: tuple[str, ...] = (),
+    load_balancing: bool = False,
+    causal_lms: tuple[str, ...] | None = None,
+) -> Family:
+    return Family(
+        package=package,
+        norms=(),
+        norm_style=LLAMA_NORM,
+        mlps=(f"{prefix}MLP",),
+        activation_attr="hidden_act",
+        attentions=(),
+        rope_layout="rotate_half",
+        causal_lms=(f"{prefix}ForCausalLM",) if causal_lms is None else causal_lms,
+        moe=load_balancing,
+        experts=experts,
+        routers=routers,
+        moe_blocks=moe_blocks,
     )
 
 
@@ -162,6 +195,38 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         experts=("GptOssExperts",),
         routers=("GptOssTopKRouter",),
+    ),
+    # MoE rows: the MoE columns (moe, experts, routers, moe_blocks) and the gated MLPs (shared
+    # experts and dense layers); norms and attention come with the dense columns.
+    "qwen2_moe": _moe(
+        "Qwen2Moe",
+        "qwen2_moe",
+        load_balancing=True,
+        experts=("Qwen2MoeExperts",),
+        routers=("Qwen2MoeTopKRouter",),
+    ),
+    "qwen3_next": _moe(
+        "Qwen3Next",
+        "qwen3_next",
+        load_balancing=True,
+        experts=("Qwen3NextExperts",),
+        routers=("Qwen3NextTopKRouter",),
+    ),
+    "qwen3_5_moe_text": _moe(
+        "Qwen3_5Moe",
+        "qwen3_5_moe",
+        load_balancing=True,
+        experts=("Qwen3_5MoeExperts",),
+        routers=("Qwen3_5MoeTopKRouter",),
+    ),
+    "glm4_moe": _moe("Glm4Moe", "glm4_moe", experts=("Glm4MoeExperts",), routers=("Glm4MoeTopkRouter",)),
+    "deepseek_v3": _moe(
+        "DeepseekV3", "deepseek_v3", experts=("DeepseekV3Experts",), routers=("DeepseekV3TopkRouter",)
+    ),
+    # Llama4ForCausalLM names its decoder ``model`` but its base_model_prefix "language_model", which
+    # the fused loss's forward reads: its loss stays transformers' until that column handles it.
+    "llama4_text": _moe(
+        "Llama4Text", "llama4", causal_lms=(), experts=("Llama4TextExperts",), moe_blocks=("Llama4TextMoe",)
     ),
 }
 """``config.model_type`` -> :class:`Family`."""
