@@ -71,22 +71,43 @@ CASES: dict[str, tuple[str, dict, dict[str, int]]] = {
     ),
     "ministral3": (
         "Ministral3Config",
-        dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, llama_4_scaling_beta=0.1,
-                                  original_max_position_embeddings=8)),
+        dict(
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                llama_4_scaling_beta=0.1,
+                original_max_position_embeddings=8,
+            )
+        ),
         dict(rms_norm=5, rope=2, glu=2, cross_entropy=1, add_rms_norm=2),
     ),  # fmt: skip
     "llama4_text": (
         "Llama4TextConfig",
-        dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, moe_layers=[1],
-             no_rope_layers=[1, 0], use_qk_norm=True, attention_chunk_size=8, attn_temperature_tuning=True,
-             floor_scale=4),
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=96,
+            moe_layers=[1],
+            no_rope_layers=[1, 0],
+            use_qk_norm=True,
+            attention_chunk_size=8,
+            attn_temperature_tuning=True,
+            floor_scale=4,
+        ),
         dict(rms_norm=6, glu=2, cross_entropy=1),
     ),  # fmt: skip
     "gemma4_text": (
         "Gemma4TextConfig",
-        dict(global_head_dim=32, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
-             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, final_logit_softcapping=3.0,
-             num_global_key_value_heads=1, attention_k_eq_v=True),
+        dict(
+            global_head_dim=32,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=6,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            final_logit_softcapping=3.0,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+        ),
         dict(rms_norm=18, rope=2, glu=2, cross_entropy=1),
     ),  # fmt: skip
     "qwen3_5_text": (

@@ -147,7 +147,13 @@ def test_full_finetune_matches_unpatched(model_type):
     # With the opt-in add_rms_norm on: the LoRA test below covers the default set.
     report = apply_kernels(model, KernelSettings(lora=False, add_rms_norm=True))
 
-    expected = {"add_rms_norm": 0, "linear_attention": 0, **FAMILY_CASES[model_type][3], "cross_entropy": 1, "lora": 0}
+    expected = {
+        "add_rms_norm": 0,
+        "linear_attention": 0,
+        **FAMILY_CASES[model_type][3],
+        "cross_entropy": 1,
+        "lora": 0,
+    }
     assert report.supported and report.model_type == model_type
     assert report.counts == {op: expected[op] for op in OPS}
     assert report.modules["cross_entropy"] == [""]  # the causal LM itself
