@@ -98,7 +98,7 @@ def gated_delta_rule_reference(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
 ) -> Tensor:
-    """The gated delta rule over each segment alone, in float32.
+    """The gated delta rule over each segment alone, in float32 (float64 for float64 inputs).
 
     Args:
         q: ``[B, T, Hk, Dk]`` queries (``B == 1`` with ``cu_seqlens``).
@@ -121,8 +121,9 @@ def gated_delta_rule_reference(
     if heads_v != heads_k:
         q = q.repeat_interleave(heads_v // heads_k, dim=2)
         k = k.repeat_interleave(heads_v // heads_k, dim=2)
-    # [B, H, T, ...] in float32, as transformers' fallback computes
-    q, k, v, g, beta = (x.transpose(1, 2).to(torch.float32) for x in (q, k, v, g, beta))
+    # [B, H, T, ...] in float32 as transformers' fallback computes (float64 stays float64: a test oracle)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (x.transpose(1, 2).to(compute) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
