@@ -152,7 +152,7 @@ def test_each_absent_op_is_said_in_the_report_line(caplog):
         report = apply_kernels(model)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "lightning_sloth.patching._apply"]
     assert "add_rms_norm (post-norm decoder layers" in line
-    assert "linear_attention (the family has no linear-attention layers)" in line
+    assert "linear_attention (the table lists no linear-attention layers for this family)" in line
     assert report.installed == ("rms_norm", "rope", "glu", "cross_entropy")
 
 

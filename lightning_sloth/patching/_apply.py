@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
-from lightning_sloth.patching.families import FAMILIES, Family
+from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +204,6 @@ def _family_rows(
     return rows
 
 
-_COLUMNS = {
-    "rms_norm": ("norms", "RMSNorm modules"),
-    "glu": ("mlps", "dense gated MLPs"),
-    "rope": ("attentions", "rotary attention modules"),
-    "linear_attention": ("linear_attentions", "linear-attention layers"),
-    "add_rms_norm": ("decoder_layers", "pre-norm decoder layers"),
-    "cross_entropy": ("causal_lms", "causal LM head"),
-}
-"""op -> the table column naming the classes it applies to, and what they are."""
-
-
 def _explain_missing(report: PatchReport, family: Family | None, model_type: str | None) -> None:
     """A reason for every op that runs nowhere and has none yet, and the family's other notes."""
     for op in OPS:
@@ -224,14 +213,9 @@ def _explain_missing(report: PatchReport, family: Family | None, model_type: str
             report.skipped[op] = "no PEFT lora.Linear layer in the model"
         elif family is None:
             report.skipped[op] = f"no table row for {model_type!r}"
-        elif family.why_absent(op):
-            report.skipped[op] = family.why_absent(op)
         else:
-            column, what = _COLUMNS[op]
-            names = getattr(family, column)
-            report.skipped[op] = (
-                f"no {'/'.join(names)} module in the model" if names else f"the family has no {what}"
-            )
+            column = getattr(family, OP_COLUMNS[op][0])
+            report.skipped[op] = family.why_absent(op) or f"no {'/'.join(column)} module in the model"
     if family is not None:
         report.skipped.update((op, why) for op, why in family.absent if op not in OPS)
 

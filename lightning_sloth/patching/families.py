@@ -56,7 +56,7 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["FAMILIES", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
+__all__ = ["FAMILIES", "OP_COLUMNS", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,17 @@ GluLayout = Literal["split", "fused"]
 """``split``: ``gate_proj`` and ``up_proj``; ``fused``: one ``gate_up_proj`` whose output is gate then up."""
 
 
+OP_COLUMNS: dict[str, tuple[str, str]] = {
+    "rms_norm": ("norms", "RMSNorm modules"),
+    "rope": ("attentions", "rotary attention modules"),
+    "glu": ("mlps", "dense gated MLPs"),
+    "linear_attention": ("linear_attentions", "linear-attention layers"),
+    "add_rms_norm": ("decoder_layers", "pre-norm decoder layers"),
+    "cross_entropy": ("causal_lms", "causal LM head"),
+}
+"""op -> (the column naming the classes it applies to, what those are); ``lora`` needs no column."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's row of the table (see the module docstring for the columns)."""
@@ -121,8 +132,13 @@ class Family:
     traits: tuple[str, ...] = ()
 
     def why_absent(self, op: str) -> str | None:
-        """Why the family does not take ``op`` (the ``absent`` column), or None."""
-        return dict(self.absent).get(op)
+        """Why the family does not take ``op``: its ``absent`` entry, else (for an op of
+        :data:`OP_COLUMNS` whose column is empty) that the table lists no such module; None when the
+        row takes it."""
+        reason = dict(self.absent).get(op)
+        if reason is None and op in OP_COLUMNS and not getattr(self, OP_COLUMNS[op][0]):
+            reason = f"the table lists no {OP_COLUMNS[op][1]} for this family"
+        return reason
 
     def modeling(self) -> ModuleType:
         """transformers' modeling module of the family."""
@@ -192,8 +208,8 @@ FAMILIES: dict[str, Family] = {
     "mistral": _dense("Mistral", "mistral", pre_norm_layers=True),
     "qwen2": _dense("Qwen2", "qwen2", pre_norm_layers=True),
     "qwen3": _dense("Qwen3", "qwen3", pre_norm_layers=True),
-    "gemma2": _dense("Gemma2", "gemma2", GEMMA_NORM, "hidden_activation"),
-    "gemma3_text": _dense("Gemma3", "gemma3", GEMMA_NORM, "hidden_activation"),
+    "gemma2": _dense("Gemma2", "gemma2", GEMMA_NORM, "hidden_activation", absent=(_SANDWICH,)),
+    "gemma3_text": _dense("Gemma3", "gemma3", GEMMA_NORM, "hidden_activation", absent=(_SANDWICH,)),
     "qwen3_moe": Family(
         package="qwen3_moe",
         norms=("Qwen3MoeRMSNorm",),
