@@ -192,3 +192,12 @@ def test_qlora_trains_a_new_dense_family_through_the_trainer():
     assert forwards.patched_op(hf.model.layers[0].self_attn.q_norm) == "rms_norm"
     assert forwards.patched_op(hf.model.layers[0].self_attn) == "rope"
     assert sum(losses[-2:]) < sum(losses[:2])
+
+
+def test_attention_width_counts_softmax_layers_with_their_own_head_dims():
+    from lightning_sloth.attention import attention_width
+
+    gemma = tiny("gemma4_text").config  # reading config.head_dim raises for Gemma 4
+    assert attention_width(gemma) == 4 * 16 + 4 * 32  # a sliding layer of 16, a global one of 32
+    assert attention_width(tiny("qwen3_5_text").config) == 4 * 16  # the linear-attention layer counts 0
+    assert attention_width(tiny("phi3").config) == 2 * 4 * 16
