@@ -15,7 +15,7 @@ def test_every_family_has_a_row_and_the_new_ones_are_tested_on_cpu():
         assert "tests/test_families_dense.py" in rows[family].cpu_tests, family
     assert "tests/gpu/test_linear_attention_gpu.py" in rows["qwen3_5_text"].gpu_tests
     assert rows["olmo2"].qlora and rows["llama"].qlora and not rows["phi3"].qlora
-    assert rows["llama"].fsdp2
+    assert rows["llama"].fsdp2 and rows["qwen3_5_text"].fsdp2 and not rows["phi3"].fsdp2
     assert (
         "linear_attention" in rows["qwen3_next"].sloth_ops
         and "linear_attention" not in rows["phi3"].sloth_ops
