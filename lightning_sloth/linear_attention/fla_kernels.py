@@ -10,7 +10,7 @@ attention masks, by the identity of the batch's ``cu_seqlens`` tensor, which tra
 every layer and to the recompute of a checkpointed layer — and every linear-attention layer, forward
 and backward, reuses it. Building it reads the ``N + 1`` bounds once (one small device-to-host copy
 per batch, at the first linear-attention layer); without the table, each call into the library
-would read them again.
+would read them again. For the same reason a CUDA graph cannot capture these layers (refused).
 
 The library is imported on first use only, so the package imports and its CPU path runs without it.
 """
@@ -55,6 +55,13 @@ class _ChunkTable:
 
     @torch.compiler.disable
     def get(self, cu_seqlens: Tensor) -> Tensor:
+        if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A graph would replay this batch's table (its length is the kernels' grid) for every
+            # later batch: refused rather than silently wrong.
+            raise NotImplementedError(
+                "packed linear attention cannot be captured in a CUDA graph: its chunk table follows "
+                "the batch's document lengths; train hybrid linear-attention models with cuda_graphs=False"
+            )
         if cu_seqlens is not self._cu_seqlens or cu_seqlens._version != self._version:
             self._cu_seqlens, self._version = cu_seqlens, cu_seqlens._version
             self._table = chunk_table(cu_seqlens.tolist(), cu_seqlens.device, cu_seqlens.dtype)
@@ -78,11 +85,9 @@ def chunk_table(bounds: list[int], device: torch.device, dtype: torch.dtype) -> 
         for chunk in range(-(-(end - start) // CHUNK_SIZE))
     ]
     table = torch.tensor(rows, dtype=dtype).reshape(-1, 2)
-    return (
-        table.to(device, non_blocking=True)
-        if device.type == "cpu"
-        else table.pin_memory().to(device, non_blocking=True)
-    )
+    if device.type == "cuda":
+        table = table.pin_memory()  # an asynchronous copy: the host runs on
+    return table.to(device, non_blocking=True)
 
 
 _TABLE = _ChunkTable()

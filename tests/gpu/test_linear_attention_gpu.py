@@ -144,3 +144,12 @@ def test_hybrid_model_packed_row_equals_each_document_alone_bf16(model_type):
     for name, param in model.named_parameters():
         if "linear_attn" in name or "self_attn" in name:
             assert rel(param.grad, ref_grads[name].grad) < 5e-2, name
+
+
+def test_capture_in_a_cuda_graph_is_refused():
+    q, k, v, g, beta = (t.detach() for t in mixer_inputs(200))
+    cu = cu_seqlens([120, 80])
+    packed_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)  # the table exists for cu
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(NotImplementedError, match="cuda_graphs=False"), torch.cuda.graph(graph):
+        packed_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)
