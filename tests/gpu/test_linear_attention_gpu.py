@@ -38,6 +38,22 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def assert_close_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """bf16 against bf16 through other kernels: every weight matrix's gradient within 5% (relative
+    norm), and all gradients together within 3%."""
+    ref = dict(reference.named_parameters())
+    ours, theirs = [], []
+    for name, param in model.named_parameters():
+        if param.grad is None or ref[name].grad is None:
+            assert param.grad is None and ref[name].grad is None, name
+            continue
+        ours.append(param.grad.float().flatten())
+        theirs.append(ref[name].grad.float().flatten())
+        if param.dim() >= 2 and ref[name].grad.norm() > 0:
+            assert rel(param.grad, ref[name].grad) < 5e-2, name
+    assert rel(torch.cat(ours), torch.cat(theirs)) < 3e-2
+
+
 def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
@@ -140,10 +156,7 @@ def test_hybrid_model_packed_row_equals_each_document_alone_bf16(model_type):
     ref_loss = total / batch.num_target_tokens
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
-    ref_grads = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        if "linear_attn" in name or "self_attn" in name:
-            assert rel(param.grad, ref_grads[name].grad) < 5e-2, name
+    assert_close_gradients(model, reference)
 
 
 def test_capture_in_a_cuda_graph_is_refused():
