@@ -11,7 +11,7 @@ import pytest
 from lightning_sloth.bench import headline as bench_headline
 from lightning_sloth.bench import report as bench_report
 from lightning_sloth.bench import tables as bench_tables
-from lightning_sloth.patching.families import FAMILIES, GEMMA_NORM, LLAMA_NORM, Family
+from lightning_sloth.patching.families import FAMILIES, LLAMA_NORM, Family
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,39 +31,14 @@ def _family(**changes) -> Family:
     return Family(**(row | changes))
 
 
-def test_families_table_from_a_small_table():
-    families = {
-        "fam_a": _family(decoder_layers=("XDecoderLayer",)),
-        "fam_b": _family(
-            norm_style=GEMMA_NORM, mlps=(), rope_layout="half_table", moe=True, experts=("XExperts",)
-        ),
-    }
-    cpu = {
-        "test_one": 'make("fam_a")',
-        "test_two": "build('fam_b'); fam_a unquoted",
-        "test_three": '"fam_ab"',
-    }
-    gpu = {"test_one_gpu": "x = 'fam_b'"}
-    lines = bench_headline.families_table(families, cpu, gpu).splitlines()
-    assert len(lines) == 2 + 2 and lines[0].count("|") == lines[2].count("|") == 10
-    a, b = (line.split(" | ") for line in lines[2:])
-    assert a[0] == "| `fam_a`" and a[1] == "w · x̂, x̂ rounded first" and a[2] == "`rotate_half`"
-    assert a[3] == "SwiGLU / GeGLU by `config.hidden_act`" and a[4] == "yes"
-    assert a[5] == "fused linear cross-entropy" and a[6] == "—"
-    assert a[7] == "`test_one`" and a[8] == "no |"  # an unquoted or longer name does not count
-    assert b[1] == "(1 + w) · x̂, product in fp32" and b[2] == "`half_table`" and b[3] == b[4] == "—"
-    assert b[5] == "fused linear cross-entropy + load-balancing loss" and b[6].startswith("grouped experts")
-    assert b[7] == "`test_two`" and b[8] == "`test_one_gpu` |"
-
-
 def test_families_block_renders_every_row_of_the_real_table():
     text = bench_report.update_readme(
         "<!-- bench:families kind=families -->\n<!-- /bench:families -->\n", RESULTS, ROOT
     )
     rows = [line for line in text.splitlines() if line.startswith("| `")][1:]  # under the header
     assert [row.split("`")[1] for row in rows] == list(FAMILIES)
-    for row in rows:  # every family is named by at least one CPU test file
-        assert row.split(" | ")[7] != "no", row
+    for row in rows:  # every family is exercised by at least one CPU test file
+        assert row.rstrip(" |").split(" | ")[-1].startswith("CPU"), row
     assert "lightning_sloth/patching/families.py" in text
 
 

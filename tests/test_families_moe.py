@@ -326,21 +326,23 @@ def test_qwen3_5_moe_multimodal_wrapper_finds_its_text_experts():
 
 
 # ------------------------------------------------------------------------- Llama 4's row checks
-def test_llama4_layers_that_a_packed_row_would_change_are_refused():
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # layer 1 without RoPE, its query temperature moving off 1 at row position floor_scale - 1
+        dict(no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=16),
+        # chunked attention with chunks shorter than the longest document (17)
+        dict(attention_chunk_size=16),
+        # the same layers on a row whose positions they do not change
+        dict(no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=64),
+    ],
+)
+def test_llama4_layers_that_depend_on_the_row_position_equal_each_document_alone(overrides):
+    """Llama 4's temperature-tuned NoPE layers and its chunked attention count positions from each
+    document's start on a packed row, as the document run alone does."""
     docs = random_documents(LENGTHS, seed=6, vocab=VOCAB)
     batch = packed_batch(docs, pad_to=PAD_TO)
-    # layer 1 without RoPE, its query temperature moving off 1 at row position floor_scale - 1
-    model = tiny("llama4_text", no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=16)
-    transform_model(model, gradient_checkpointing=False)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="floor_scale=16"):
-        model(**batch.model_inputs())
-    # chunked attention with chunks shorter than the longest document (17)
-    model = tiny("llama4_text", attention_chunk_size=16)
-    transform_model(model, gradient_checkpointing=False)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="attention_chunk_size=16"):
-        model(**batch.model_inputs())
-    # the same layers on a row they do not change: exact, as the parity test shows for the defaults
-    model = tiny("llama4_text", no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=64)
+    model = tiny("llama4_text", **overrides)
     reference = copy.deepcopy(model)
     transform_model(model, gradient_checkpointing=False)
     with torch.no_grad():

@@ -1,10 +1,9 @@
 """The report's cross-cutting blocks: the headline (several scenarios, one row each, the chosen
-systems as columns, with its plot) and the supported-models table (from the family table and the
-tests that name each family; it reads no result file)."""
+systems as columns, with its plot) and the supported-models table (the support matrix of the family
+table and the tests that exercise each family; it reads no result file)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from lightning_sloth.bench.tables import (
@@ -16,7 +15,7 @@ from lightning_sloth.bench.tables import (
     system_label,
     tokens_per_s,
 )
-from lightning_sloth.patching.families import FAMILIES
+from lightning_sloth.patching import read_test_sources, support_markdown, support_matrix
 
 HEADLINE_COLUMNS = {
     "hf_packed_varlen": "transformers + PEFT (packed, varlen attention)",
@@ -126,7 +125,9 @@ def render_headline(reports: list[dict], sources: list[str], params: dict) -> st
     text = caption + "\n\n" + "\n".join(lines) + "\n"
     if marks:
         text += (
-            "\n" + "; ".join(f"({m}) {md_cell(system_label({'system': s}))}" for s, m in marks.items()) + ".\n"
+            "\n"
+            + "; ".join(f"({m}) {md_cell(system_label({'system': s}))}" for s, m in marks.items())
+            + ".\n"
         )
     return text
 
@@ -180,54 +181,13 @@ def plot_headline(reports: list[dict], sources: list[str], params: dict, path: P
     plt.close(fig)
 
 
-def norm_style_text(style) -> str:
-    """How a family's RMSNorm rounds, in a few words."""
-    weight = "(1 + w)" if style.offset else "w"
-    return f"{weight} · x̂, product in fp32" if style.fp32_product else f"{weight} · x̂, x̂ rounded first"
-
-
-def tests_naming(model_type: str, tests: dict[str, str]) -> list[str]:
-    """The names of the test files (name -> source) holding ``model_type`` as a quoted string."""
-    pattern = re.compile(rf"([\"']){re.escape(model_type)}\1")
-    return [name for name, source in tests.items() if pattern.search(source)]
-
-
-def families_table(families: dict, cpu_tests: dict[str, str], gpu_tests: dict[str, str]) -> str:
-    """The markdown table of a family table (``model_type`` -> ``Family``) and the tests naming each."""
-    header = ["`model_type`", "RMSNorm", "RoPE", "gated MLP", "residual add + norm fused", "loss"]
-    header += ["MoE experts and router", "tested on CPU", "tested on GPU"]
-    lines = ["| " + " | ".join(header) + " |", "| --- |" + " --- |" * (len(header) - 1)]
-    for model_type, family in families.items():
-        glu = f"SwiGLU / GeGLU by `config.{family.activation_attr}`" if family.mlps else DASH
-        loss = "fused linear cross-entropy" + (" + load-balancing loss" if family.moe else "")
-        experts = "grouped experts, router in fp32" if family.experts else DASH
-        cells = [
-            f"`{model_type}`",
-            norm_style_text(family.norm_style),
-            f"`{family.rope_layout}`",
-            glu,
-            "yes" if family.decoder_layers else DASH,
-            loss,
-            experts,
-        ]
-        for tests in (cpu_tests, gpu_tests):
-            names = tests_naming(model_type, tests)
-            cells.append(", ".join(f"`{n}`" for n in names) if names else "no")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def test_sources(folder: Path) -> dict[str, str]:
-    return {path.name.removesuffix(".py"): path.read_text() for path in sorted(folder.glob("test_*.py"))}
-
-
 def render_families(reports: list[dict], sources: list[str], params: dict) -> str:
-    """The supported-models table: ``lightning_sloth.patching.families.FAMILIES`` and the repository's
-    ``tests/test_*.py`` (CPU) and ``tests/gpu/test_*.py`` (GPU) that name each family."""
-
+    """The support matrix (:func:`lightning_sloth.patching.support_matrix`): one row per family of
+    the table, with the repository's tests that exercise it (``tests/``, ``tests/gpu/``)."""
     tests = Path(__file__).resolve().parents[2] / "tests"  # the repository's, beside the package
     caption = (
         "Generated from `lightning_sloth/patching/families.py` and the test files under `tests/` "
-        "(CPU) and `tests/gpu/` (GPU) that name the family's `model_type`."
+        "(CPU) and `tests/gpu/` (GPU) that exercise each family (`lightning_sloth.patching.support_matrix`; "
+        "its docstring gives the rules)."
     )
-    return caption + "\n\n" + families_table(FAMILIES, test_sources(tests), test_sources(tests / "gpu"))
+    return caption + "\n\n" + support_markdown(support_matrix(read_test_sources(tests)))
