@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lightning_sloth.attention import enable_packed_attention
 from lightning_sloth.attention.masked import chunked_segments, document_causal_mask
+from lightning_sloth.data import PackedBatch, host_cu_seqlens, inputs_to_device
 from lightning_sloth.linear_attention import (
     EXTRA,
     fla_kernels,
@@ -22,7 +23,7 @@ from lightning_sloth.linear_attention import (
     packed_gated_delta_rule,
     set_linear_attention_backend,
 )
-from lightning_sloth.linear_attention.fla_kernels import chunk_table
+from lightning_sloth.linear_attention.fla_kernels import _ChunkTable, chunk_table
 
 torch.set_num_threads(1)
 
@@ -190,3 +191,21 @@ def test_chunked_attention_without_packing_matches_transformers():
     tokens = torch.randint(0, 128, (1, 21), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits)
+
+
+def test_chunk_table_reads_the_batchs_host_bounds_not_the_device_tensor():
+    """A batch moved by PackedBatch.to (or inputs_to_device) keeps its host cu_seqlens beside the
+    device one, and the chunk table is built from it: no device read (a meta tensor has no values,
+    so reading it would fail)."""
+    cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
+    ids = torch.zeros(1, 200, dtype=torch.long)
+    batch = PackedBatch(
+        ids, ids, ids, cu, max_seqlen=125, num_tokens=200, num_target_tokens=197, capacity=200
+    )
+    moved = batch.to("meta")
+    assert moved.cu_seqlens.is_meta and host_cu_seqlens(moved.cu_seqlens) is cu
+    assert host_cu_seqlens(cu) is cu and host_cu_seqlens(torch.zeros(2, device="meta")) is None
+    inputs = inputs_to_device(batch.model_inputs(), "meta")
+    assert host_cu_seqlens(inputs["cu_seq_lens_q"]) is cu and inputs["max_length_q"] == 125
+    table = _ChunkTable().get(moved.cu_seqlens)
+    assert table.is_meta and table.shape == chunk_table(cu.tolist(), torch.device("cpu"), cu.dtype).shape

@@ -8,9 +8,10 @@ table of ``(segment, chunk)`` pairs of 64 positions (``chunk_indices`` ``[NT, 2]
 depends on the segment lengths. :class:`_ChunkTable` builds it once per batch — keyed, like the
 attention masks, by the identity of the batch's ``cu_seqlens`` tensor, which transformers hands to
 every layer and to the recompute of a checkpointed layer — and every linear-attention layer, forward
-and backward, reuses it. Building it reads the ``N + 1`` bounds once (one small device-to-host copy
-per batch, at the first linear-attention layer); without the table, each call into the library
-would read them again. For the same reason a CUDA graph cannot capture these layers (refused).
+and backward, reuses it. It is built from the batch's host copy of the bounds, which
+:meth:`~lightning_sloth.data.PackedBatch.to` keeps beside the device tensor: no device-to-host copy
+(a ``cu_seqlens`` that came some other way is read once per batch, at the first linear-attention
+layer). Without the table, each call into the library would read the bounds again. For the same reason a CUDA graph cannot capture these layers (refused).
 
 The library is imported on first use only, so the package imports and its CPU path runs without it.
 """
@@ -23,6 +24,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from lightning_sloth.data.batch import host_cu_seqlens
 from lightning_sloth.linear_attention.reference import CHUNK_SIZE
 
 __all__ = ["EXTRA", "MISSING", "causal_conv1d_fla", "fla_available", "gated_delta_rule_fla"]
@@ -64,7 +66,9 @@ class _ChunkTable:
             )
         if cu_seqlens is not self._cu_seqlens or cu_seqlens._version != self._version:
             self._cu_seqlens, self._version = cu_seqlens, cu_seqlens._version
-            self._table = chunk_table(cu_seqlens.tolist(), cu_seqlens.device, cu_seqlens.dtype)
+            host = host_cu_seqlens(cu_seqlens)  # the batch's host copy: no device read
+            bounds = (host if host is not None else cu_seqlens).tolist()
+            self._table = chunk_table(bounds, cu_seqlens.device, cu_seqlens.dtype)
         return self._table
 
     def clear(self) -> None:
