@@ -44,7 +44,9 @@ def test_loss_and_gradients_equal_one_process_on_the_global_batch(runs, family, 
         # Each rank packed its own share: different batches, different target counts.
         assert not torch.equal(step0["batches"][0].input_ids, step1["batches"][0].input_ids)
         loss, grads, norm = _fsdp.reference_step(family, lora, step0, step1)
-        torch.testing.assert_close(_fsdp.global_loss(record, other, index), float(loss), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            _fsdp.global_loss(record, other, step=index), float(loss), rtol=1e-5, atol=0
+        )
         assert grads.keys() == step0["grads"].keys()
         assert all(("lora_" in n) == lora for n in grads) or not lora
         for name, grad in grads.items():
@@ -85,7 +87,7 @@ def _assert_step_matches_one_process(record, other, family, lora, quantize=None)
     step0, step1 = record["steps"][0], other["steps"][0]
     assert not torch.equal(step0["batches"][0].input_ids, step1["batches"][0].input_ids)
     loss, grads, _ = _fsdp.reference_step(family, lora, step0, step1, quantize=quantize)
-    torch.testing.assert_close(_fsdp.global_loss(record, other, 0), float(loss), rtol=1e-5, atol=0)
+    torch.testing.assert_close(_fsdp.global_loss(record, other, step=0), float(loss), rtol=1e-5, atol=0)
     assert grads and grads.keys() == step0["grads"].keys()
     for name, grad in grads.items():
         atol = 1e-5 * float(grad.abs().max())  # float32 sums in another order
