@@ -233,6 +233,16 @@ def _stock_module_class(fsdp2: bool):
                 device = self.trainer.strategy.root_device
                 materialize_shards(model, RandomWeights(std=model.config.initializer_range), device)
 
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+        ):
+            if fsdp2 or not gradient_clip_val:
+                return super().configure_gradient_clipping(
+                    optimizer, gradient_clip_val, gradient_clip_algorithm
+                )
+            # Lightning's FSDPPrecision refuses to clip by norm: FSDP1's root module clips its shards.
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+
         def configure_optimizers(self):
             # Lightning's MixedPrecision refuses to clip the gradients of an optimizer that
             # unscales inside its step (fused AdamW), so the stock recipe steps foreach AdamW.
@@ -409,7 +419,12 @@ def _worker(rank: int, world: int, port: int, system: str, args, out_dir: str) -
     except torch.OutOfMemoryError as error:
         result |= {"error": f"out of memory: {str(error).splitlines()[0]}"}
     except Exception as error:  # recorded, so the other systems still run
-        result |= {"error": f"{type(error).__name__}: {error}"[:2000]}
+        import traceback
+
+        result |= {
+            "error": f"{type(error).__name__}: {error}"[:2000],
+            "traceback": traceback.format_exc()[-3000:],
+        }
     Path(out_dir, f"{system}_{rank}.json").write_text(json.dumps(result))
 
 
@@ -432,11 +447,14 @@ def run_system(system: str, args, gpus: int | None = None) -> dict:
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                return {"system": system, "world": world, "error": f"timed out after {args.system_timeout} s"}
+                break
         files = [Path(out_dir, f"{system}_{r}.json") for r in range(world)]
         ranks = [json.loads(f.read_text()) for f in files if f.is_file()]
         if len(ranks) < world:
-            return {"system": system, "world": world, "error": "a rank wrote no result"}
+            failed = [r["error"] for r in ranks if "error" in r]  # why the others were left waiting
+            timed_out = time.monotonic() > deadline
+            why = f"timed out after {args.system_timeout} s" if timed_out else "a rank wrote no result"
+            return {"system": system, "world": world, "error": "; ".join([why, *failed])}
     merged = next((r for r in ranks if "error" in r), ranks[0]).copy()
     merged.pop("rank")
     if "error" not in merged:

@@ -73,8 +73,10 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
     ),
-    # A tiny Qwen3-MoE for CPU smoke runs of the multi-GPU benchmark.
+    # A tiny Qwen3-MoE for CPU smoke runs of the multi-GPU benchmark (a small vocabulary: the CPU's
+    # bf16 output projection is slow).
     "tiny_moe": dict(
+        vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

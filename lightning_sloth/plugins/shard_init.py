@@ -189,12 +189,12 @@ def materialize_shards(model: nn.Module, source: WeightSource, device: torch.dev
                 source.values(name, shape, param.dtype, first * row, stop * row, device).view_as(local)
             )
             stats.parameters += 1
-    for name in rotary:  # no parameters: replaced whole, computed on the device from the config
-        module = hf_model.get_submodule(name)
-        parent, _, child = name.rpartition(".")
+    for name in rotary:  # computed on the device from the config, kept in the same module object
+        module = hf_model.get_submodule(name)  # (patched forwards may hold it)
         with torch.device(device):
             rebuilt = type(module)(config=module.config)
-        setattr(hf_model.get_submodule(parent) if parent else hf_model, child, rebuilt)
+        for buffer, value in rebuilt.named_buffers(recurse=False):
+            setattr(module, buffer, value)
     return stats
 
 
