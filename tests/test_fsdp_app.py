@@ -43,7 +43,8 @@ def process_state(monkeypatch):
     would inherit: the rank rank_zero_only reads, and MASTER_ADDR/MASTER_PORT."""
     monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
     for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded, so what Lightning sets is undone after the test
+        monkeypatch.delenv(key)
     return monkeypatch
 
 
@@ -129,3 +130,58 @@ def test_the_slurm_launcher_asks_for_one_task_and_gpu_per_device_on_each_node(hy
     node = OmegaConf.create({"trainer": OmegaConf.to_container(cfg.trainer), "launcher": launcher})
     resolved = OmegaConf.to_container(node, resolve=True)["launcher"]
     assert (resolved["nodes"], resolved["tasks_per_node"], resolved["gpus_per_node"]) == (2, 4, 4)
+
+
+def test_under_fsdp_a_random_model_is_built_per_shard(hydra_conf, tmp_path):
+    """``trainer=fsdp`` with a random-weight model: built on the meta device, each rank drawing its
+    shards from the run's seed; DDP and pretrained models are built whole as before."""
+    from lightning_sloth.quant.loading import RandomWeights
+
+    cfg = compose("train", overrides=["experiment=fsdp_qwen3_30b_a3b", "trainer.accelerator=cpu", "seed=7"])
+    assert build.builds_per_shard(cfg)
+    strategy = build.build_trainer(cfg, tmp_path, callbacks=[], loggers=False).strategy
+    assert isinstance(strategy.meta_weights, RandomWeights) and strategy.meta_weights.seed == 7
+    model = build.build_model(cfg.model, build_char_tokenizer(), meta=True)
+    assert all(p.is_meta for p in model.parameters()) and model.config.num_hidden_layers == 48
+    assert not build.builds_per_shard(compose("train", overrides=["trainer.devices=2"]))
+    assert not build.builds_per_shard(
+        compose("train", overrides=["trainer=fsdp"])
+    )  # the pretrained tiny base
+
+
+def test_the_app_trains_a_model_made_shard_by_shard_on_two_cpu_processes(tmp_path):
+    """``lightning-sloth trainer=fsdp trainer.devices=2 model=tiny_llama`` end to end: Lightning
+    re-runs the command for rank 1, each rank makes its own shards, and the run trains, validates
+    and writes its sharded checkpoint and adapter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "model=tiny_llama"]
+    args += ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+    args += ["trainer.samples=0", "trainer.num_sanity_val_steps=0", "data.num_train=64", "data.num_val=8"]
+    args += ["trainer.enable_progress_bar=false", f"hydra.run.dir={out}"]
+    app = Path(sys.executable).parent / "lightning-sloth"
+    cluster = (
+        "SLURM_",
+        "MASTER_",
+        "TORCHELASTIC_",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(cluster)}  # a plain machine
+    result = subprocess.run(
+        [str(app), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (result.stdout + result.stderr).count("shards made per rank (RandomWeights)") == 2  # both ranks
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["val"]["loss"] > 0
+    assert (out / "checkpoints" / "last.ckpt").is_dir() and (
+        out / "adapter" / "adapter_model.safetensors"
+    ).is_file()
