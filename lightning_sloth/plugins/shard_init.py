@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -112,19 +113,37 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _four_bit_weights(model: nn.Module):
-    """``(module, codes attribute, scales attribute, code-book buffers, name prefix, shape, dtype before
-    quantisation, quant_type, blocksize)`` of every 4-bit weight: :class:`Linear4bit` layers and 4-bit expert weights."""
-    for name, module in model.named_modules():
+class _FourBitWeight(NamedTuple):
+    """One 4-bit weight of a model: the module holding it and how it is stored."""
+
+    module: nn.Module
+    codes: str  # attribute of the packed uint8 codes
+    scales: str  # attribute of the block scales
+    code_book: str  # buffer of the code book
+    name: str  # checkpoint name of the dense weight
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # before quantisation
+    quant_type: str
+    blocksize: int
+
+
+def _four_bit_weights(model: nn.Module) -> list[_FourBitWeight]:
+    """Every 4-bit weight of ``model``: :class:`Linear4bit` layers and 4-bit expert weights."""
+    found = []
+    for prefix, module in model.named_modules():
         if isinstance(module, Linear4bit):
             shape = (module.out_features, module.in_features)
-            yield (module, "weight", "absmax", ("code",), name, shape, module.weight_dtype,
-                   module.quant_type, module.blocksize)  # fmt: skip
+            name = checkpoint_name(f"{prefix}.weight" if prefix else "weight")
+            found.append(_FourBitWeight(module, "weight", "absmax", "code", name, shape, module.weight_dtype,
+                                        module.quant_type, module.blocksize))  # fmt: skip
         for weight in EXPERT_WEIGHTS:
             storage = expert_storage(module, weight) if hasattr(module, weight) else None
             if storage is not None:
-                yield (module, weight, f"{weight}_absmax", (f"{weight}_code",), name, storage.shape,
-                       storage.dtype, storage.quant_type, storage.blocksize)  # fmt: skip
+                name = checkpoint_name(f"{prefix}.{weight}" if prefix else weight)
+                found.append(_FourBitWeight(module, weight, f"{weight}_absmax", f"{weight}_code", name,
+                                            storage.shape, storage.dtype, storage.quant_type,
+                                            storage.blocksize))  # fmt: skip
+    return found
 
 
 def _meta_buffer_owners(model: nn.Module, code_books: set[tuple[int, str]]) -> list[str]:
@@ -170,8 +189,8 @@ def materialize_shards(model: nn.Module, source: WeightSource, device: torch.dev
     """
     hf_model = find_hf_model(model)
     device = torch.device(device)
-    four_bit = list(_four_bit_weights(hf_model))
-    rotary = _meta_buffer_owners(hf_model, {(id(w[0]), b) for w in four_bit for b in w[3]})
+    four_bit = _four_bit_weights(hf_model)
+    rotary = _meta_buffer_owners(hf_model, {(id(w.module), w.code_book) for w in four_bit})
     hf_model.to_empty(device=device)
     stats = ShardStats()
     done: set[int] = set()
@@ -199,26 +218,24 @@ def materialize_shards(model: nn.Module, source: WeightSource, device: torch.dev
 
 
 def _fill_4bit(
-    weight: tuple, source: WeightSource, device: torch.device, stats: ShardStats
+    weight: _FourBitWeight, source: WeightSource, device: torch.device, stats: ShardStats
 ) -> tuple[int, int]:
     """This rank's rows of one 4-bit weight's codes and scales, and its code book; returns the ids
     of the two parameters."""
-    module, codes_attr, scales_attr, books, prefix, shape, dtype, quant_type, blocksize = weight
-    codes, scales = getattr(module, codes_attr), getattr(module, scales_attr)
-    key = checkpoint_name(f"{prefix}.{codes_attr}" if prefix else codes_attr)
+    codes, scales = getattr(weight.module, weight.codes), getattr(weight.module, weight.scales)
     spans = []
 
     def values(start: int, stop: int) -> Tensor:
         spans.append(stop - start)  # the dense weight's elements in transit
-        return source.values(key, shape, dtype, start, stop, device)
+        return source.values(weight.name, weight.shape, weight.dtype, start, stop, device)
 
+    numel = math.prod(weight.shape)
     packed, absmax = quantize_rows(
-        values, math.prod(shape), quant_type, local_rows(codes), local_rows(scales), blocksize, device
+        values, numel, weight.quant_type, local_rows(codes), local_rows(scales), weight.blocksize, device
     )
     _local(codes).copy_(packed)
     _local(scales).copy_(absmax.view(torch.int32) if scales.dtype == torch.int32 else absmax)
-    for book in books:
-        getattr(module, book).copy_(code_book(quant_type, device).view(torch.int32))
+    getattr(weight.module, weight.code_book).copy_(code_book(weight.quant_type, device).view(torch.int32))
     stats.parameters += 1
     stats.weights_4bit += 1
     stats.largest_quantized = max([stats.largest_quantized, *spans])
