@@ -341,14 +341,6 @@ def test_resume_auto_finds_a_sharded_checkpoint_directory(tmp_path):
     assert build.resolve_resume("auto", tmp_path) == str(tmp_path / "checkpoints" / "last.ckpt")
 
 
-def test_slurm_launcher_config_takes_one_task_per_device(hydra_conf):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    overrides = ["hydra/launcher=slurm", "trainer=fsdp", "trainer.devices=4", "trainer.num_nodes=2"]
-    launcher = compose("train", overrides=overrides, return_hydra_config=True).hydra.launcher
-    assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
-
-
 def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, monkeypatch):
     """A SLURM job of num_nodes x devices tasks: every task is one rank, nothing is re-launched
     (also under ``-m``, where the submitit launcher runs the job inside each task)."""
