@@ -57,6 +57,37 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
     ),
+    # Qwen3-30B-A3B at full depth: 48 layers, 128 experts of 768 (top 8); ~61 GB of bf16 weights,
+    # which no single card holds with training state (fsdp_bench builds it per shard).
+    "qwen3_30b_a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),
+    # A tiny Qwen3-MoE for CPU smoke runs of the multi-GPU benchmark (a small vocabulary: the CPU's
+    # bf16 output projection is slow).
+    "tiny_moe": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
     # GPT-OSS-20B's layer shape (GptOssConfig's defaults: hidden 2880, 64/8 heads of 64, experts of
     # 2880, alternating 128-token sliding-window and full attention, sinks) at 8 of its 24 layers.
     "gpt_oss_20b_8l": dict(
@@ -72,6 +103,16 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
         tie_word_embeddings=True,
+    ),
+    # Llama-3.1-70B (its llama3 rope scaling left out: it changes no shape or FLOP): QLoRA across GPUs.
+    "llama_3_1_70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
     ),
     "qwen3_14b": dict(
         hidden_size=5120,
@@ -96,6 +137,8 @@ SHAPE_FAMILIES = {
     "qwen3_0_6b": "qwen3",
     "qwen3_14b": "qwen3",
     "qwen3_30b_a3b_8l": "qwen3_moe",
+    "qwen3_30b_a3b": "qwen3_moe",
+    "tiny_moe": "qwen3_moe",
     "gpt_oss_20b_8l": "gpt_oss",
 }
 

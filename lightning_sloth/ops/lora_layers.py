@@ -118,7 +118,8 @@ def compute_parts(module: nn.Module, parts: tuple, x: Tensor):
     if weight is None or not _plain_weight(weight) or weight.requires_grad:
         return None
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    # A model on the meta device (built per shard) is probed structurally; meta has no autocast.
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
     elif x.dtype == weight.dtype:
         dtype = weight.dtype

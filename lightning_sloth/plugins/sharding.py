@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sloth.hf_model import find_decoder_layers
-from lightning_sloth.quant import quantize_model
+from lightning_sloth.moe.quant import EXPERT_WEIGHTS, expert_storage
+from lightning_sloth.quant import Linear4bit, quantize_model
 
 
 class ShardingError(ValueError):
@@ -67,7 +68,11 @@ def convert_before_sharding(precision_plugin, module: nn.Module, device: torch.d
     forward (a unit mixing dtypes is all-gathered as bytes), never cast by the mixed-precision
     policy (it only casts floating-point parameters) and never reduced (frozen). Their block
     scales and code books are buffers, which FSDP2 keeps whole on every rank (about an eighth of
-    the codes' size for NF4). ``*-true`` modes then cast the floating-point weights.
+    the codes' size for NF4) until :func:`shard_4bit_scales` makes them frozen parameters too.
+    ``*-true`` modes then cast the floating-point weights.
+
+    A model on the meta device is quantised on the meta device (``device`` is ignored): the 4-bit
+    layers are skeletons whose shards each rank makes later (:mod:`~lightning_sloth.plugins.shard_init`).
 
     Lightning's ``ModelParallelStrategy.setup`` calls ``convert_module`` again on the sharded
     model; both steps are idempotent (layers already in 4 bits are left as they are).
@@ -78,10 +83,37 @@ def convert_before_sharding(precision_plugin, module: nn.Module, device: torch.d
     quantize = getattr(precision_plugin, "quantize", None)
     quantized = 0
     if quantize is not None:
+        if any(p.is_meta for p in module.parameters()):
+            device = None  # skeletons on the meta device
         quantized = len(quantize_model(module, quantize, precision_plugin.quantize_skip, device=device))
     if quantize is not None or precision_plugin.precision.endswith("-true"):
         precision_plugin.convert_module(module)
     return quantized
+
+
+def shard_4bit_scales(model: nn.Module) -> int:
+    """Turn the block scales of every 4-bit weight into frozen parameters, so ``fully_shard`` shards
+    them beside the packed codes; in place, idempotent.
+
+    The scales (``absmax``: float32 bits as ``int32``, or ``uint8`` codes for ``nf4-dq``) are an
+    eighth of the codes' bytes for NF4; as buffers every rank would hold the whole model's. As
+    frozen integer parameters they are sharded on dim 0, all-gathered bit for bit with their
+    unit, never cast and never reduced, like the codes. The state-dict keys do not change. The
+    code books and ``nf4-dq``'s second-level scales (1/256 of the scales) stay buffers.
+
+    Returns:
+        The number of scale tensors made parameters now.
+    """
+    moved = 0
+    for module in model.modules():
+        names = ["absmax"] if isinstance(module, Linear4bit) else []
+        names += [f"{w}_absmax" for w in EXPERT_WEIGHTS if expert_storage(module, w) is not None]
+        for name in names:
+            if name in module._buffers:
+                scales = module._buffers.pop(name)
+                module.register_parameter(name, nn.Parameter(scales, requires_grad=False))
+                moved += 1
+    return moved
 
 
 def shardable_layers(model: nn.Module) -> nn.ModuleList:
@@ -222,6 +254,7 @@ def shard_model(
         )
     if any(not (p.is_floating_point() or p.is_complex()) for p in hf_model.parameters()):
         allow_integer_parameters_in_fsdp2()  # packed 4-bit codes
+        shard_4bit_scales(hf_model)
     layers = shardable_layers(hf_model)
     per_unit = min(check_layers_per_unit(layers_per_unit) or auto_layers_per_unit(layers), len(layers))
     kwargs: dict[str, Any] = dict(

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.plugins.shard_init import materialize_shards, weight_source
 from lightning_sloth.plugins.sharding import (
     ShardingError,
     check_layers_per_unit,
@@ -232,6 +233,15 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             step for more gathered weights at a time. ``None`` (the default): as many layers as
             hold 250M parameters (:func:`~lightning_sloth.plugins.sharding.auto_layers_per_unit`:
             four of a Llama-3.2-1B, one of an 8B), one per unit under ``checkpoint_impl="node"``.
+        meta_weights: where a model built on the meta device gets its weights: ``"random"``
+            (seeded, the same values for any number of ranks), a local safetensors checkpoint
+            directory, or a :class:`~lightning_sloth.quant.loading.RandomWeights` /
+            :class:`~lightning_sloth.quant.loading.CheckpointWeights`. After ``fully_shard`` each
+            rank allocates and fills only its own shards (a 4-bit weight's codes and scales are
+            quantised from just the elements they cover): no rank ever holds the whole model
+            (:mod:`~lightning_sloth.plugins.shard_init`). Build the model with
+            ``torch.device("meta")`` (or in ``configure_model`` under it). ``None``: the model must
+            be real; a meta model is refused.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
         checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
             forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
@@ -246,7 +256,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
     Raises:
         ShardingError: fewer than two processes, a model without a decoder-layer stack, a model
             already sharded, trainable parameters outside the transformers model, ``16-mixed``,
-            or no process group.
+            no process group, or a meta-device model without ``meta_weights``.
     """
 
     strategy_name = "sloth_fsdp"
@@ -261,9 +271,12 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         layers_per_unit: int | None = None,
+        meta_weights: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.meta_weights = meta_weights
+        self.shard_stats = None
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
@@ -301,6 +314,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         policy = mixed_precision_policy(self.precision_plugin.precision)
         hf_model = find_hf_model(self.lightning_module)
         shardable_layers(hf_model)  # refuse before transforming anything
+        meta = any(p.is_meta for p in hf_model.parameters())
+        if meta and self.meta_weights is None:
+            raise ShardingError(
+                "the model is on the meta device: give SlothFSDPStrategy(meta_weights='random' or a "
+                "checkpoint directory) so each rank can fill its own shards"
+            )
+        source = weight_source(self.meta_weights, hf_model) if meta else None
         report = super().apply_transformations()
         if report.checkpointing is not None:
             # The embedding's weight is sharded from here on: its output stays saved, not looked up
@@ -320,6 +340,10 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         )
         grouped = f", {per_unit} per unit" if per_unit > 1 else ""
         report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root)")
+        if source is not None:
+            device = torch.device("cpu") if self.cpu_offload else self.root_device
+            self.shard_stats = materialize_shards(hf_model, source, device)
+            report.applied.append(f"shards made per rank ({type(source).__name__})")
         return report
 
     @classmethod
