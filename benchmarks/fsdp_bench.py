@@ -68,8 +68,9 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def fsdp_options(system: str) -> dict | None:
-    """``SlothFSDPStrategy`` options of a ``sloth_fsdp[_node][_unitN][_no_reshard]`` system name
-    (``None`` for the other systems)."""
+    """``SlothFSDPStrategy`` options of a ``sloth_fsdp[_node][_unitN][_no_reshard][_shard_frozen]``
+    system name (``None`` for the other systems); ``_shard_frozen`` shards a LoRA base even where
+    ``shard_frozen="auto"`` would keep it whole."""
     if system != "sloth_fsdp" and not system.startswith("sloth_fsdp_"):
         return None
     options: dict = {}
@@ -83,10 +84,13 @@ def fsdp_options(system: str) -> dict | None:
             raise ValueError(f"unknown system {system!r}: _unit takes a number of layers")
         options["layers_per_unit"] = int(digits)
         rest = rest.removeprefix(f"_unit{digits}")
+    if rest.endswith("_shard_frozen"):
+        options["shard_frozen"] = True
+        rest = rest.removesuffix("_shard_frozen")
     if rest == "_no_reshard":
         options["reshard_after_forward"] = False
     elif rest:
-        raise ValueError(f"unknown system {system!r}: sloth_fsdp[_node][_unitN][_no_reshard]")
+        raise ValueError(f"unknown system {system!r}: sloth_fsdp[_node][_unitN][_no_reshard][_shard_frozen]")
     return options
 
 

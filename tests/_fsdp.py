@@ -171,6 +171,7 @@ def fit(
     layers_per_unit: int | None = None,
     compile: bool = False,
     meta_weights=None,
+    shard_frozen: bool | str = "auto",
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) processes; with ``meta_weights`` the model is built on the meta
@@ -184,7 +185,11 @@ def fit(
         optimizer=OptimizerSettings(lr=1e-2, scheduler="constant"),
     )
     strategy_class = SlothFSDPStrategy if strategy == "fsdp" else SlothDDPStrategy
-    sharding = dict(layers_per_unit=layers_per_unit, meta_weights=meta_weights) if strategy == "fsdp" else {}
+    sharding = (
+        dict(layers_per_unit=layers_per_unit, meta_weights=meta_weights, shard_frozen=shard_frozen)
+        if strategy == "fsdp"
+        else {}
+    )
     if compile:
         sharding["compile"] = True
     recorder = Recorder()
@@ -401,6 +406,8 @@ MORE_CASES = (
     ("moe", "qwen3_moe", True, dict(_ONE_STEP)),
     ("nf4", "qwen3_moe", True, dict(quantize="nf4", **_TWO_EPOCHS)),
     ("offload", "llama", True, dict(offload="on", layers_per_unit=1, **_ONE_STEP)),
+    # A LoRA base kept whole on every rank (shard_frozen=False): only the adapters are sharded.
+    ("replicated_base", "llama", True, dict(shard_frozen=False, kernels=True, **_ONE_STEP)),
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
     ("full", "llama", False, dict(layers_per_unit=1, **_ONE_STEP)),
     ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_sloth import SlothDDPStrategy, SlothFSDPStrategy, build
 from lightning_sloth.config import Sharding
+from lightning_sloth.plugins import sharding
 from lightning_sloth.plugins.sharding import (
     ShardingError,
     mixed_precision_policy,
@@ -163,6 +164,34 @@ def test_offload_under_fsdp_offloads_every_checkpointed_layer_input(more_runs):
         assert stats["offloaded_bytes_per_step"] * stats["steps"] == layer_inputs
         assert stats["prefetched"] + stats["fetched_on_demand"] == len(batches)
     _assert_step_matches_one_process(more_runs[0]["offload"], more_runs[1]["offload"], "llama", True)
+
+
+def test_a_lora_base_kept_whole_on_every_rank_trains_like_one_process(more_runs):
+    """shard_frozen=False: the frozen base stays a plain tensor on both ranks (no DTensor reaches
+    the ops), only the adapters are sharded, and the step equals one process on the global batch."""
+    for rank in (0, 1):
+        run = more_runs[rank]["replicated_base"]
+        assert "frozen tensors kept whole on every rank" in run["report"]
+    _assert_step_matches_one_process(
+        more_runs[0]["replicated_base"], more_runs[1]["replicated_base"], "llama", True
+    )
+
+
+def test_frozen_weights_are_replicated_by_rule():
+    model = _fsdp.tiny_model("llama", 64, hidden=32)
+    model.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    cpu = torch.device("cpu")
+    assert sharding.frozen_to_replicate(model, cpu, False) == frozen
+    assert sharding.frozen_to_replicate(model, cpu, True) == set()
+    assert sharding.frozen_to_replicate(model, cpu, "auto") == set()  # "auto" replicates on GPUs only
+    with pytest.raises(ShardingError, match="shard_frozen takes"):
+        sharding.frozen_to_replicate(model, cpu, "yes")
+    meta = _fsdp.tiny_model("llama", 64, hidden=32, meta=True).requires_grad_(False)
+    with pytest.raises(ShardingError, match="meta device"):
+        sharding.frozen_to_replicate(meta, cpu, False)
+    assert sharding.frozen_to_replicate(meta, torch.device("cuda", 0), "auto") == set()
 
 
 def test_one_device_is_refused_with_a_clear_error():

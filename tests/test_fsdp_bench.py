@@ -23,6 +23,8 @@ import fsdp_bench  # noqa: E402
             "sloth_fsdp_node_unit2_no_reshard",
             {"checkpoint_impl": "node", "layers_per_unit": 2, "reshard_after_forward": False},
         ),
+        ("sloth_fsdp_shard_frozen", {"shard_frozen": True}),
+        ("sloth_fsdp_node_shard_frozen", {"checkpoint_impl": "node", "shard_frozen": True}),
         ("sloth_ddp", None),
     ],
 )

@@ -203,6 +203,53 @@ def auto_layers_per_unit(layers: nn.ModuleList) -> int:
     return max(1, AUTO_UNIT_PARAMETERS // max(largest, 1))
 
 
+REPLICATE_FROZEN_SHARE = 0.25
+"""``shard_frozen="auto"`` keeps the frozen weights whole on every GPU when they take at most this
+share of its memory."""
+
+
+def frozen_to_replicate(
+    hf_model: nn.Module, device: torch.device, shard_frozen: bool | str
+) -> set[nn.Parameter]:
+    """The frozen parameters of ``hf_model`` that every rank keeps whole instead of sharding.
+
+    A LoRA (or QLoRA) base is frozen: it needs no gradient reduction and no optimizer state, only
+    its all-gathers, once per layer in the forward and again in the backward. Where the whole base
+    fits a GPU beside the step, replicating it leaves FSDP2 only the adapters to gather and reduce
+    (little more communication than DDP), and the layers run on plain tensors.
+
+    Args:
+        hf_model: the transformers model (inside PEFT's wrapper when LoRA is on).
+        device: the rank's device.
+        shard_frozen: ``True``: shard everything (none replicated). ``False``: replicate every
+            frozen parameter. ``"auto"``: replicate them on a CUDA device when they take at most
+            :data:`REPLICATE_FROZEN_SHARE` of its memory, else shard them (a meta-device model,
+            built shard by shard, always shards).
+
+    Raises:
+        ShardingError: an unknown ``shard_frozen``, or ``False`` for a model on the meta device.
+    """
+    if shard_frozen not in (True, False, "auto"):
+        raise ShardingError(f"shard_frozen takes True, False or 'auto', got {shard_frozen!r}")
+    frozen = [p for p in hf_model.parameters() if not p.requires_grad]
+    if shard_frozen is True or not frozen:
+        return set()
+    meta = any(p.is_meta for p in frozen)
+    if shard_frozen is False:
+        if meta:
+            raise ShardingError(
+                "shard_frozen=False keeps the frozen weights whole on every rank, but the model is on the "
+                "meta device (built shard by shard): use shard_frozen=True or 'auto'"
+            )
+        return set(frozen)
+    if meta or device.type != "cuda":
+        return set()
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    if frozen_bytes > REPLICATE_FROZEN_SHARE * torch.cuda.get_device_properties(device).total_memory:
+        return set()
+    return set(frozen)
+
+
 def shard_model(
     lightning_module: nn.Module,
     hf_model: nn.Module,
@@ -212,6 +259,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     layers_per_unit: int | None = None,
+    replicate: set[nn.Parameter] = frozenset(),
 ) -> tuple[int, int]:
     """``fully_shard`` the decoder layers of ``hf_model`` (one unit per ``layers_per_unit``
     consecutive layers), then ``hf_model`` itself; in place.
@@ -229,6 +277,8 @@ def shard_model(
             list): gathered, resharded and reduced together, with one set of FSDP2 hooks. Fewer,
             larger collectives and less host time per step, for more gathered weights at once.
             ``None``: :func:`auto_layers_per_unit`.
+        replicate: parameters every rank keeps whole (FSDP2's ``ignored_params``; see
+            :func:`frozen_to_replicate`): frozen only, placed on the device by the strategy.
 
     Returns:
         The number of decoder layers sharded, and the layers per unit.
@@ -262,12 +312,24 @@ def shard_model(
         mp_policy=policy,
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
+    if any(p.requires_grad for p in replicate):
+        raise ShardingError("only frozen parameters can be replicated instead of sharded")
+
+    def ignored(modules: list[nn.Module]) -> set[nn.Parameter] | None:
+        kept = {p for m in modules for p in m.parameters() if p in replicate}
+        return kept or None
+
     for start in range(0, len(layers), per_unit):
         unit = list(layers[start : start + per_unit])
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(
+            unit if len(unit) > 1 else unit[0],
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored(unit),
+            **kwargs,
+        )
     # The root's weights (embedding, final norm, lm_head) are needed again at once by the
     # backward: never reshard them after the forward.
-    fully_shard(hf_model, reshard_after_forward=False, **kwargs)
+    fully_shard(hf_model, reshard_after_forward=False, ignored_params=ignored([hf_model]), **kwargs)
     return len(layers), per_unit
 
 

@@ -32,6 +32,7 @@ from lightning_sloth.plugins.sharding import (
     ShardingError,
     check_layers_per_unit,
     convert_before_sharding,
+    frozen_to_replicate,
     full_state_dict,
     mixed_precision_policy,
     shard_model,
@@ -242,6 +243,12 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             (:mod:`~lightning_sloth.plugins.shard_init`). Build the model with
             ``torch.device("meta")`` (or in ``configure_model`` under it). ``None``: the model must
             be real; a meta model is refused.
+        shard_frozen: shard the frozen weights too (``True``), keep them whole on every rank
+            (``False``), or ``"auto"`` (the default): whole where the frozen weights take at most a
+            quarter of a GPU's memory, sharded otherwise
+            (:func:`~lightning_sloth.plugins.sharding.frozen_to_replicate`). A LoRA base kept whole
+            leaves FSDP2 only the adapters to gather and reduce; a base that does not fit (a 70B in
+            NF4 on 80 GB cards) or a model built shard by shard is sharded.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
         checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
             forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
@@ -272,9 +279,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         cpu_offload: bool = False,
         layers_per_unit: int | None = None,
         meta_weights: Any = None,
+        shard_frozen: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if shard_frozen not in (True, False, "auto"):
+            raise ShardingError(f"shard_frozen takes True, False or 'auto', got {shard_frozen!r}")
+        self.shard_frozen = shard_frozen
         self.meta_weights = meta_weights
         self.shard_stats = None
         if start_method not in ("popen", "spawn"):
@@ -329,6 +340,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         quantized = convert_before_sharding(self.precision_plugin, self.lightning_module, self.root_device)
         if quantized:
             report.applied.append(f"4-bit base weights ({quantized} tensors, sharded)")
+        replicate = frozen_to_replicate(hf_model, self.root_device, self.shard_frozen)
         layers, per_unit = shard_model(
             self.lightning_module,
             hf_model,
@@ -337,9 +349,11 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
             layers_per_unit=self.layers_per_unit,
+            replicate=replicate,
         )
         grouped = f", {per_unit} per unit" if per_unit > 1 else ""
-        report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root)")
+        whole = f"; {len(replicate)} frozen tensors kept whole on every rank" if replicate else ""
+        report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root{whole})")
         if source is not None:
             device = torch.device("cpu") if self.cpu_offload else self.root_device
             self.shard_stats = materialize_shards(hf_model, source, device)
