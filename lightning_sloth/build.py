@@ -7,6 +7,7 @@ the functions: composing and validating a config stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from lightning_sloth.plugins.checkpoint import (
 )
 from lightning_sloth.plugins.progress import ProgressLines, StepProgressBar, interactive
 from lightning_sloth.plugins.samples import SampleGenerations
+from lightning_sloth.quant.loading import RandomWeights
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, Trainer
@@ -110,11 +112,14 @@ def build_model_config(model: DictConfig, vocab_size: int):
     return AutoConfig.for_model(model.model_type, **kwargs)
 
 
-def build_model(model: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+def build_model(model: DictConfig, tokenizer: PreTrainedTokenizerBase, meta: bool = False) -> PreTrainedModel:
     """The transformers causal LM: random weights from a config, or ``from_pretrained``.
 
-    Special token ids (pad, bos, eos) are taken from the tokenizer for a random model.
+    Special token ids (pad, bos, eos) are taken from the tokenizer for a random model. ``meta``
+    (a random model under FSDP, :func:`builds_per_shard`): built on the meta device, its shards
+    made on each rank by the strategy.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     kind = OmegaConf.get_type(model)
@@ -122,10 +127,9 @@ def build_model(model: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PreTra
         config = build_model_config(model, len(tokenizer))
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             setattr(config, name, getattr(tokenizer, name))
-        return AutoModelForCausalLM.from_config(config)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            return AutoModelForCausalLM.from_config(config)
     if kind is PretrainedModelConfig:
-        import torch
-
         dtype = model.dtype.value
         loaded = AutoModelForCausalLM.from_pretrained(
             model.name_or_path,
@@ -278,7 +282,15 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
     }
 
 
-def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = False) -> Strategy:
+def builds_per_shard(cfg: DictConfig) -> bool:
+    """Whether the run's model is built on the meta device and made shard by shard on each rank:
+    a random-weight model under ``trainer.sharding: fsdp`` (no rank ever holds the whole model)."""
+    return cfg.trainer.sharding is Sharding.fsdp and OmegaConf.get_type(cfg.model) is RandomModelConfig
+
+
+def build_strategy(
+    sloth: DictConfig, trainer: DictConfig, multirun: bool = False, meta_weights: Any = None
+) -> Strategy:
     """``SlothStrategy`` for one process, else ``SlothDDPStrategy`` (or ``SlothFSDPStrategy`` with
     ``trainer.sharding: fsdp``) started per :func:`ddp_start_method`.
 
@@ -286,6 +298,7 @@ def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = Fals
         sloth: the ``sloth`` node (the model transformations).
         trainer: the ``trainer`` node (``devices``, ``num_nodes``, ``accelerator``).
         multirun: the job runs under Hydra's ``-m`` (``HydraConfig.get().mode == MULTIRUN``).
+        meta_weights: where a meta-device model's shards come from (``SlothFSDPStrategy``).
     """
     settings = sloth_settings(sloth)
     if trainer.sharding is Sharding.fsdp:
@@ -295,6 +308,7 @@ def build_strategy(sloth: DictConfig, trainer: DictConfig, multirun: bool = Fals
             reshard_after_forward=trainer.fsdp_reshard_after_forward,
             cpu_offload=trainer.fsdp_cpu_offload,
             layers_per_unit=trainer.fsdp_layers_per_unit,
+            meta_weights=meta_weights,
             **settings,
         )
     if num_processes(trainer) == 1:
@@ -438,7 +452,7 @@ def build_trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=build_strategy(cfg.sloth, t, multirun),
+        strategy=build_strategy(cfg.sloth, t, multirun, _meta_weights(cfg)),
         plugins=plugins,
         callbacks=(
             build_callbacks(t, output_dir, offload_enabled(cfg), out_of_memory_hints(cfg))
@@ -462,6 +476,11 @@ def build_trainer(
         enable_model_summary=not (t.enable_progress_bar and progress_lines(t)),
         deterministic=t.deterministic,
     )
+
+
+def _meta_weights(cfg: DictConfig):
+    """Seeded random shards (the run's seed) for a model built per shard, else None."""
+    return RandomWeights(seed=cfg.seed) if builds_per_shard(cfg) else None
 
 
 def resolve_resume(resume: str | None, output_dir: str | Path) -> str | None:

@@ -211,7 +211,8 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = build.build_tokenizer(cfg.model)
     datamodule = build.build_datamodule(cfg.data, tokenizer, static_shapes=cfg.sloth.cuda_graphs)
-    module = build.build_module(cfg, build.build_model(cfg.model, tokenizer))
+    model = build.build_model(cfg.model, tokenizer, meta=build.builds_per_shard(cfg))
+    module = build.build_module(cfg, model)
     if resume:
         log.info("resuming from %s", resume)
     # weights_only=True explicitly: no environment variable (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD) can

@@ -71,7 +71,7 @@ def transform_model(
         offload: ``"off"``, ``"on"`` or ``"auto"``: checkpointed layer inputs to pinned host memory.
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: ``torch.compile`` each decoder layer (``True`` or compile kwargs).
-        moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
+        moe: MoE models (the families of ``lightning_sloth.moe.layouts.LAYOUTS``) run their experts through
             ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
             ``False`` keeps transformers' experts implementation. Dense models ignore it.
         checkpoint_impl: ``"node"`` (the default: each checkpointed layer one autograd node,

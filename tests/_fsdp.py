@@ -40,11 +40,17 @@ from lightning_sloth.plugins import GradientFlowGuard, SaveAdapter
 from lightning_sloth.transform import transform_model
 
 ACCUMULATE = 2
+# Processes of the current run, set in each worker (Lightning's teardown clears WORLD_SIZE).
+world_size = WORLD
 
 
-def tiny_model(family: str, vocab: int, hidden: int = 64, layers: int = 2):
-    """Random-weight float32 Llama, Qwen3 or Qwen3-MoE (4 experts, top 2) (seeded), GQA 2:1."""
+def tiny_model(family: str, vocab: int, hidden: int = 64, layers: int = 2, meta: bool = False):
+    """Random-weight float32 Llama, Qwen3 or Qwen3-MoE (4 experts, top 2) (seeded), GQA 2:1; on the
+    meta device with ``meta``."""
     torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return tiny_model(family, vocab, hidden, layers)
     common = dict(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -164,19 +170,26 @@ def fit(
     checkpoint_impl: str | None = None,
     layers_per_unit: int | None = None,
     compile: bool = False,
+    meta_weights=None,
+    shard_frozen: bool | str = "auto",
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
-    on the current (external) process pair."""
+    on the current (external) processes; with ``meta_weights`` the model is built on the meta
+    device and each rank fills its own shards from that source."""
     seed_everything(0, verbose=False)
     data = datamodule(num_train, max_tokens=max_tokens, shuffle=shuffle)
-    model = tiny_model(family, len(data.tokenizer), hidden=hidden)
+    model = tiny_model(family, len(data.tokenizer), hidden=hidden, meta=meta_weights is not None)
     module = CausalLMModule(
         model,
         lora=lora_settings(family, lora),
         optimizer=OptimizerSettings(lr=1e-2, scheduler="constant"),
     )
     strategy_class = SlothFSDPStrategy if strategy == "fsdp" else SlothDDPStrategy
-    sharding = dict(layers_per_unit=layers_per_unit) if strategy == "fsdp" else {}
+    sharding = (
+        dict(layers_per_unit=layers_per_unit, meta_weights=meta_weights, shard_frozen=shard_frozen)
+        if strategy == "fsdp"
+        else {}
+    )
     if compile:
         sharding["compile"] = True
     recorder = Recorder()
@@ -187,7 +200,7 @@ def fit(
         callbacks.append(SaveAdapter(export_dir))
     trainer = Trainer(
         accelerator=accelerator,
-        devices=WORLD,
+        devices=world_size,
         strategy=strategy_class(
             kernels=kernels or None, offload=offload, checkpoint_impl=checkpoint_impl, **sharding
         ),
@@ -208,6 +221,7 @@ def fit(
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     recorder.grad_norm = callbacks[1].last_grad_norm
     recorder.strategy_report = list(trainer.strategy.sloth_report.applied)
+    recorder.shard_stats = getattr(trainer.strategy, "shard_stats", None)
     codes = [p for p in module.parameters() if p.dtype == torch.uint8]  # 4-bit weights' packed codes
     recorder.codes_sharded = (sum(type(p).__name__ == "DTensor" for p in codes), len(codes))
     offloader = trainer.strategy.offloader
@@ -236,11 +250,13 @@ def _compare_export(module: CausalLMModule, export_dir: Path, lora: bool, rank_z
     return {"saved": len(saved), "matched": matched, "max_diff": max_diff}
 
 
-def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results) -> None:
+def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results, world: int) -> None:
+    global world_size
+    world_size = world
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
         NODE_RANK="0",
@@ -253,12 +269,15 @@ def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results) -
             torch.distributed.destroy_process_group()
 
 
-def run(scenario: Callable[[Path], dict], tmp: Path) -> dict[int, dict]:
-    """``{rank: scenario(tmp)}`` from two processes started like torchrun does."""
+def run(scenario: Callable[[Path], dict], tmp: Path, world: int = WORLD) -> dict[int, dict]:
+    """``{rank: scenario(tmp)}`` from ``world`` processes (two by default) started like torchrun does."""
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
         mp.start_processes(
-            _worker, args=(free_port(), scenario, str(tmp), results), nprocs=WORLD, start_method="spawn"
+            _worker,
+            args=(free_port(), scenario, str(tmp), results, world),
+            nprocs=world,
+            start_method="spawn",
         )
         return dict(results)
 
@@ -267,7 +286,7 @@ def reference_step(
     family: str,
     lora: bool,
     step_rank0: dict,
-    step_rank1: dict,
+    *other_ranks: dict,
     device: str = "cpu",
     hidden: int = 64,
     bf16_autocast: bool = False,
@@ -311,7 +330,7 @@ def reference_step(
         module, packed_attention=True, gradient_checkpointing=False, kernels=bf16_autocast or None
     )
     total, count = 0.0, 0
-    for batch in step_rank0["batches"] + step_rank1["batches"]:
+    for batch in [b for step in (step_rank0, *other_ranks) for b in step["batches"]]:
         batch = batch.to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16_autocast):
             out = module.model(**batch.model_inputs(), labels=batch.labels)
@@ -324,11 +343,12 @@ def reference_step(
     return loss.detach().cpu(), grads, float(norm)
 
 
-def global_loss(record0: dict, record1: dict, step: int) -> float:
-    """Step ``step``'s loss over both ranks from the recorded per-micro-batch means and counts."""
+def global_loss(record0: dict, *others: dict, step: int) -> float:
+    """Step ``step``'s loss over all ranks from the recorded per-micro-batch means and counts."""
     window = slice(step * ACCUMULATE, (step + 1) * ACCUMULATE)
-    batches = record0["steps"][step]["batches"] + record1["steps"][step]["batches"]
-    losses = record0["losses"][window] + record1["losses"][window]
+    records = (record0, *others)
+    batches = [b for r in records for b in r["steps"][step]["batches"]]
+    losses = [loss for r in records for loss in r["losses"][window]]
     count = sum(b.num_target_tokens for b in batches)
     return sum(loss * b.num_target_tokens for loss, b in zip(losses, batches)) / count
 
@@ -386,6 +406,8 @@ MORE_CASES = (
     ("moe", "qwen3_moe", True, dict(_ONE_STEP)),
     ("nf4", "qwen3_moe", True, dict(quantize="nf4", **_TWO_EPOCHS)),
     ("offload", "llama", True, dict(offload="on", layers_per_unit=1, **_ONE_STEP)),
+    # A LoRA base kept whole on every rank (shard_frozen=False): only the adapters are sharded.
+    ("replicated_base", "llama", True, dict(shard_frozen=False, kernels=True, **_ONE_STEP)),
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
     ("full", "llama", False, dict(layers_per_unit=1, **_ONE_STEP)),
     ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),
@@ -482,8 +504,9 @@ def ddp_moe_nf4_offload(tmp: Path) -> dict:
 
 def gpu_parity_and_offload(tmp: Path) -> dict:
     """The CUDA scenario: bf16-mixed with the Triton kernels (LoRA and full fine-tuning of a
-    Llama; LoRA of a Qwen3-MoE in NF4, projections and experts), and LoRA with activation offload
-    on and off (float32, layer inputs over 1 MiB).
+    Llama; LoRA of a Qwen3-MoE in NF4, projections and experts, built whole and built on the meta
+    device shard by shard), and LoRA with activation offload on and off (float32, layer inputs
+    over 1 MiB).
 
     The offload runs need enough samples that every rank packs full 1024-token batches: with 48
     samples a rank's only batch can be 320 tokens, a 640 KiB layer input that stays below the
@@ -494,10 +517,18 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
         recorder = fit("llama", lora, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256)
         out[lora] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
     out["ops"] = dict(ops)
-    recorder = fit(
-        "qwen3_moe", True, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256, quantize="nf4"
-    )
+    moe = dict(precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256, quantize="nf4")
+    recorder = fit("qwen3_moe", True, **moe)
     out["moe_nf4"] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
+    # The same model built on the meta device, each rank quantising its shards from a checkpoint.
+    checkpoint = tmp / f"checkpoint_{os.environ['RANK']}"
+    tiny_model("qwen3_moe", len(build_char_tokenizer()), hidden=256).save_pretrained(checkpoint)
+    recorder = fit("qwen3_moe", True, meta_weights=str(checkpoint), **moe)
+    out["meta_moe_nf4"] = {
+        "steps": recorder.steps,
+        "losses": recorder.losses,
+        "report": recorder.strategy_report,
+    }
     for offload in ("off", "on"):
         recorder = fit(
             "llama",
@@ -507,7 +538,7 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
             accelerator="gpu",
             hidden=512,
             max_tokens=1024,
-            num_train=192,
+            num_train=96 * world_size,  # every rank packs full batches
         )
         out[offload] = {
             "grads": recorder.steps[0].get("grads"),

@@ -16,6 +16,7 @@ from lightning_sloth.bench import measure as bench_measure
 from lightning_sloth.bench import report as bench_report
 from lightning_sloth.bench import suite as bench_suite
 from lightning_sloth.bench import systems as bench_systems
+from lightning_sloth.bench import tables as bench_tables
 from lightning_sloth.bench import workload as bench_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ def test_failed_and_older_records_render():
         "workload": dict(tokens_per_step=1, lora_r=1, warmup_steps=0, timed_steps=1),
         "results": rows,
     }
-    table = bench_report.render_table([report], ["x.json"], "hf_padded")
+    table = bench_tables.render_table([report], ["x.json"], "hf_padded")
     assert "**oom**: CUDA out of memory \\| x" in table
     assert "**failed**: loss not finite" in table and "9,000,000,000" not in table
 
@@ -163,9 +164,9 @@ def test_caption_names_each_files_steps_when_they_differ():
         work = dict(tokens_per_step=8, lora_r=4, warmup_steps=warmup, timed_steps=timed)
         return {"environment": {"device": "X"}, "workload": work, "results": []}
 
-    same = bench_report.caption([report(5, 20), report(5, 20)], ["a.json", "b.json"])
+    same = bench_tables.caption([report(5, 20), report(5, 20)], ["a.json", "b.json"])
     assert same.endswith("5 warm-up + 20 timed steps.")
-    mixed = bench_report.caption([report(5, 20), report(1, 3)], ["a.json", "b.json"])
+    mixed = bench_tables.caption([report(5, 20), report(1, 3)], ["a.json", "b.json"])
     assert "`a.json`: 5 warm-up + 20 timed steps, `b.json`: 1 warm-up + 3 timed steps" in mixed
 
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_sloth import SlothDDPStrategy, SlothFSDPStrategy, build
 from lightning_sloth.config import Sharding
+from lightning_sloth.plugins import sharding
 from lightning_sloth.plugins.sharding import (
     ShardingError,
     mixed_precision_policy,
@@ -44,7 +45,9 @@ def test_loss_and_gradients_equal_one_process_on_the_global_batch(runs, family, 
         # Each rank packed its own share: different batches, different target counts.
         assert not torch.equal(step0["batches"][0].input_ids, step1["batches"][0].input_ids)
         loss, grads, norm = _fsdp.reference_step(family, lora, step0, step1)
-        torch.testing.assert_close(_fsdp.global_loss(record, other, index), float(loss), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            _fsdp.global_loss(record, other, step=index), float(loss), rtol=1e-5, atol=0
+        )
         assert grads.keys() == step0["grads"].keys()
         assert all(("lora_" in n) == lora for n in grads) or not lora
         for name, grad in grads.items():
@@ -85,7 +88,7 @@ def _assert_step_matches_one_process(record, other, family, lora, quantize=None)
     step0, step1 = record["steps"][0], other["steps"][0]
     assert not torch.equal(step0["batches"][0].input_ids, step1["batches"][0].input_ids)
     loss, grads, _ = _fsdp.reference_step(family, lora, step0, step1, quantize=quantize)
-    torch.testing.assert_close(_fsdp.global_loss(record, other, 0), float(loss), rtol=1e-5, atol=0)
+    torch.testing.assert_close(_fsdp.global_loss(record, other, step=0), float(loss), rtol=1e-5, atol=0)
     assert grads and grads.keys() == step0["grads"].keys()
     for name, grad in grads.items():
         atol = 1e-5 * float(grad.abs().max())  # float32 sums in another order
@@ -161,6 +164,34 @@ def test_offload_under_fsdp_offloads_every_checkpointed_layer_input(more_runs):
         assert stats["offloaded_bytes_per_step"] * stats["steps"] == layer_inputs
         assert stats["prefetched"] + stats["fetched_on_demand"] == len(batches)
     _assert_step_matches_one_process(more_runs[0]["offload"], more_runs[1]["offload"], "llama", True)
+
+
+def test_a_lora_base_kept_whole_on_every_rank_trains_like_one_process(more_runs):
+    """shard_frozen=False: the frozen base stays a plain tensor on both ranks (no DTensor reaches
+    the ops), only the adapters are sharded, and the step equals one process on the global batch."""
+    for rank in (0, 1):
+        run = more_runs[rank]["replicated_base"]
+        assert "frozen tensors kept whole on every rank" in run["report"]
+    _assert_step_matches_one_process(
+        more_runs[0]["replicated_base"], more_runs[1]["replicated_base"], "llama", True
+    )
+
+
+def test_frozen_weights_are_replicated_by_rule():
+    model = _fsdp.tiny_model("llama", 64, hidden=32)
+    model.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    cpu = torch.device("cpu")
+    assert sharding.frozen_to_replicate(model, cpu, False) == frozen
+    assert sharding.frozen_to_replicate(model, cpu, True) == set()
+    assert sharding.frozen_to_replicate(model, cpu, "auto") == set()  # "auto" replicates on GPUs only
+    with pytest.raises(ShardingError, match="shard_frozen takes"):
+        sharding.frozen_to_replicate(model, cpu, "yes")
+    meta = _fsdp.tiny_model("llama", 64, hidden=32, meta=True).requires_grad_(False)
+    with pytest.raises(ShardingError, match="meta device"):
+        sharding.frozen_to_replicate(meta, cpu, False)
+    assert sharding.frozen_to_replicate(meta, torch.device("cuda", 0), "auto") == set()
 
 
 def test_one_device_is_refused_with_a_clear_error():
@@ -337,14 +368,6 @@ def test_hydra_trainer_fsdp_on_one_device_is_refused(hydra_conf, tmp_path):
 def test_resume_auto_finds_a_sharded_checkpoint_directory(tmp_path):
     (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
     assert build.resolve_resume("auto", tmp_path) == str(tmp_path / "checkpoints" / "last.ckpt")
-
-
-def test_slurm_launcher_config_takes_one_task_per_device(hydra_conf):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    overrides = ["hydra/launcher=slurm", "trainer=fsdp", "trainer.devices=4", "trainer.num_nodes=2"]
-    launcher = compose("train", overrides=overrides, return_hydra_config=True).hydra.launcher
-    assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
 
 
 def test_under_slurm_lightning_does_not_launch_processes(hydra_conf, tmp_path, monkeypatch):

@@ -1,14 +1,15 @@
-"""The multi-GPU benchmark's system names (the runs themselves need GPUs)."""
+"""The multi-GPU benchmark: system names, sizes and scaling, the large shapes, and one run of the
+meta-device path on two CPU processes (the timed runs need GPUs)."""
 
-import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fsdp_bench.py"
-_spec = importlib.util.spec_from_file_location("fsdp_bench", _SCRIPT)
-fsdp_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fsdp_bench)
+# An importable module (not a file spec): the benchmark's spawned workers import it by name.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import fsdp_bench  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -22,6 +23,8 @@ _spec.loader.exec_module(fsdp_bench)
             "sloth_fsdp_node_unit2_no_reshard",
             {"checkpoint_impl": "node", "layers_per_unit": 2, "reshard_after_forward": False},
         ),
+        ("sloth_fsdp_shard_frozen", {"shard_frozen": True}),
+        ("sloth_fsdp_node_shard_frozen", {"checkpoint_impl": "node", "shard_frozen": True}),
         ("sloth_ddp", None),
     ],
 )
@@ -45,7 +48,7 @@ def test_an_unknown_system_is_refused_before_any_runs():
 
 
 def test_the_fsdp_table_shows_scaling_and_busy_shares_where_profiled():
-    from lightning_sloth.bench.report import render_fsdp
+    from lightning_sloth.bench.tables import render_fsdp
 
     def run(system, world, tps, **extra):
         return {
@@ -78,3 +81,94 @@ def test_the_fsdp_table_shows_scaling_and_busy_shares_where_profiled():
     assert "54,000 (90.0% scaling)" in rows[1] and rows[1].endswith("| 90.0% (85.0% / 11.0%) |")
     header = next(line for line in table.splitlines() if line.startswith("| shape"))
     assert rows[2].count("|") == header.count("|")  # an error row keeps the columns
+
+
+def test_gpu_sizes_are_ascending_distinct_counts():
+    assert fsdp_bench.gpu_sizes("4") == [4] and fsdp_bench.gpu_sizes("1,2,4,8") == [1, 2, 4, 8]
+    for bad in ("4,2", "2,2", "0,2"):
+        with pytest.raises(ValueError, match="ascending distinct positive"):
+            fsdp_bench.gpu_sizes(bad)
+
+
+def test_one_gpu_runs_a_sharded_system_on_one_device():
+    assert fsdp_bench.ran_as("sloth_fsdp_unit4", 1) == "sloth_1gpu"
+    assert fsdp_bench.ran_as("sloth_fsdp", 2) == "sloth_fsdp"
+    assert (
+        fsdp_bench.ran_as("sloth_ddp", 1) == "sloth_ddp"
+        and fsdp_bench.ran_as("stock_fsdp", 1) == "stock_fsdp"
+    )
+
+
+def test_scaling_efficiency_is_against_the_smallest_size_measured_of_the_same_run():
+    def run(system, gpus, tps=None, lora=True, **extra):
+        return {
+            "system": system,
+            "gpus": gpus,
+            "shape": "s",
+            "lora": lora,
+            "tokens_per_s_per_gpu": tps,
+        } | extra
+
+    records = [
+        run("sloth_fsdp", 1, error="out of memory"),
+        run("sloth_fsdp", 2, 100.0),
+        run("sloth_fsdp", 4, 92.0),
+        run("sloth_fsdp", 1, 50.0, lora=False),
+        run("sloth_fsdp", 4, 45.0, lora=False),
+        run("sloth_ddp", 4, 80.0),
+    ]
+    del records[0]["tokens_per_s_per_gpu"]
+    fsdp_bench.add_scaling(records)
+    assert "scaling_efficiency" not in records[0]  # the failed run: nothing to scale
+    assert [r["scaling_efficiency"] for r in records[1:]] == pytest.approx([1.0, 0.92, 1.0, 0.9, 1.0])
+    assert [r["scaling_base_gpus"] for r in records[1:]] == [2, 2, 1, 1, 4]
+
+
+def test_impossible_runs_are_refused_before_any_starts():
+    with pytest.raises(ValueError, match="stock_fsdp has no 4-bit base weights"):
+        fsdp_bench.main(["--lora", "--quantize", "nf4", "--systems", "sloth_fsdp,stock_fsdp"])
+    with pytest.raises(ValueError, match="sloth_ddp holds the whole model"):
+        fsdp_bench.main(["--init", "meta", "--systems", "sloth_fsdp,sloth_ddp"])
+    with pytest.raises(ValueError, match="trains LoRA only"):
+        fsdp_bench.main(["--finetune", "lora,full", "--quantize", "nf4", "--systems", "sloth_fsdp"])
+
+
+@pytest.mark.parametrize("shape,layers,billions", [("qwen3_30b_a3b", 48, 30.5), ("llama_3_1_70b", 80, 70.6)])
+def test_the_large_shapes_are_the_real_models_and_built_per_shard(shape, layers, billions):
+    from lightning_sloth.bench.workload import shape_config
+
+    assert shape_config(shape).num_hidden_layers == layers
+    gib = fsdp_bench.shape_bf16_gib(shape)
+    assert gib * 2**30 / 2 / 1e9 == pytest.approx(billions, rel=0.01)
+    assert gib > 40.0  # --init auto builds them on the meta device, shard by shard
+
+
+def test_moe_mfu_counts_the_experts_a_token_runs_through():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_sloth.bench.workload import shape_config
+    from lightning_sloth.module import flop_parameters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config("qwen3_30b_a3b"))
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
+    active = fsdp_bench.active_flop_parameters(model)
+    assert active == flop_parameters(model) - experts + experts * 8 // 128
+    assert 3.0e9 < active < 3.5e9  # "A3B": about three billion active parameters (lm_head included)
+
+
+def test_a_meta_moe_in_nf4_runs_in_the_benchmark_on_two_cpu_processes(tmp_path):
+    """The 30B/70B path end to end on a tiny Qwen3-MoE: built on the meta device, NF4 experts and
+    projections made per rank, LoRA on attention and experts, one timed step."""
+    out = tmp_path / "r.json"
+    argv = ["--shape", "tiny_moe", "--lora", "--quantize", "nf4", "--gpus", "2", "--systems", "sloth_fsdp"]
+    argv += ["--init", "meta", "--tokens", "256", "--warmup", "1", "--steps", "1", "--out", str(out)]
+    fsdp_bench.main(argv)
+    (record,) = json.loads(out.read_text())["runs"]
+    assert "error" not in record, record.get("traceback", record.get("error"))
+    assert record["applied"][-1] == "shards made per rank (RandomWeights)" and record["init"] == "meta"
+    assert record["tokens_per_s_total"] == pytest.approx(2 * record["tokens_per_s_per_gpu"], rel=0.5)
+    assert record["scaling_efficiency"] == 1.0 and record["gpus"] == 2 and record["quantize"] == "nf4"
+    stats = record["shard_stats_per_rank"]
+    assert sum(s["local_4bit_bytes"] for s in stats) == stats[0]["total_4bit_bytes"] > 0

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_calls.py"
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "host_calls.py"
 _spec = importlib.util.spec_from_file_location("host_calls", _SCRIPT)
 host_calls = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = host_calls

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_profile.py"
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "host_profile.py"
 _spec = importlib.util.spec_from_file_location("host_profile", _SCRIPT)
 host_profile = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(host_profile)

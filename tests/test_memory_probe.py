@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_probe.py"
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "memory_probe.py"
 _spec = importlib.util.spec_from_file_location("memory_probe", _SCRIPT)
 memory_probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(memory_probe)

@@ -6,6 +6,7 @@ the expert-load callback. Tiny float32/float64 models of the three families, on 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -186,17 +187,21 @@ def test_top_k_above_the_number_of_experts_is_a_clear_error():
 
 
 def test_unsupported_moe_family_names_itself_and_the_supported_list():
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import OlmoeConfig, OlmoeForCausalLM
 
-    model = Qwen2MoeForCausalLM(
-        Qwen2MoeConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    model = OlmoeForCausalLM(
+        OlmoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
         )
     )  # fmt: skip
-    with pytest.raises(NotImplementedError, match=r"'qwen2_moe'.*\['gpt_oss', 'mixtral', 'qwen3_moe'\]"):
+    supported = sorted(
+        ["deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text", "mixtral", "qwen2_moe", "qwen3_5_moe_text",
+         "qwen3_moe", "qwen3_next"]
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"'olmoe'.*" + re.escape(str(supported))):
         apply_experts(model)
-    assert moe_families() == ["gpt_oss", "mixtral", "qwen3_moe"]
+    assert moe_families() == supported
     apply_experts(model, enabled=False)  # moe=False keeps transformers' own, no error
 
 

@@ -1,12 +1,13 @@
-"""Every shell command in the README's code blocks, run as a user would type it.
+"""Every shell command in the code blocks of README.md and docs/*.md, run as a user would type it.
 
-Commands run one after another in one fresh directory holding the files they name. Commands
-that train get overrides appended that shorten them to 2 CPU steps (a key the command sets
-itself takes the short value). ``pip install`` lines are checked, not run: each requirement
+Commands run one after another in one fresh directory per test holding the files they name.
+Commands that train get overrides appended that shorten them to 2 CPU steps (a key the command
+sets itself takes the short value). ``pip install`` lines are checked, not run: each requirement
 parses and every extra exists in ``pyproject.toml``. ``python -m pytest`` runs with
-``--collect-only``, ``python -m lightning_sloth.bench report`` with ``--check`` (the README is not
-rewritten). A command that needs a GPU ends with ``# gpu``; those are the only ones
-skipped, and the test reports how many it ran and which it skipped.
+``--collect-only``, ``python -m lightning_sloth.bench report`` with ``--check`` (no file is
+rewritten). A command that needs a GPU ends with ``# gpu``; those are the only ones skipped, and
+each test reports how many it ran and which it skipped. A docs command that is also a README
+command runs once, in the README's test.
 """
 
 import os
@@ -115,10 +116,10 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
-def test_every_readme_command_runs(tmp_path):
-    commands = readme_commands((ROOT / "README.md").read_text())
-    prepare(tmp_path)
+def run_commands(commands: list[tuple[str, bool]], cwd: Path) -> tuple[list[str], list[str], list[str]]:
+    """Run (or check) every command in ``cwd``; returns the commands ran, the pip lines checked and
+    the GPU commands skipped."""
+    prepare(cwd)
     ran, checked, skipped = [], [], []
     for line, needs_gpu in commands:
         if needs_gpu:
@@ -136,10 +137,10 @@ def test_every_readme_command_runs(tmp_path):
                 result = run([*args, "--collect-only", "-q"], ROOT)
                 assert result.returncode == 0 and " collected" in result.stdout, result.stdout[-2000:]
             elif args[1:3] == ["-m", "lightning_sloth.bench"]:
-                if "report" in args:  # read-only here: compare the README with the committed JSON
+                if "report" in args:  # read-only here: compare README and docs with the committed JSON
                     result = run([*args, "--check"], ROOT)
                 else:  # the CPU-sized suite, writing under this directory
-                    result = run(args, tmp_path)
+                    result = run(args, cwd)
                 assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
             elif program.startswith("lightning-sloth") or args[1:3] == ["-m", "lightning_sloth.train"]:
                 if program == "lightning-sloth" or program.startswith("lightning-sloth-"):
@@ -147,17 +148,37 @@ def test_every_readme_command_runs(tmp_path):
                 trains = program == "lightning-sloth" or "lightning_sloth.train" in args
                 if trains and "--help" not in args:
                     args = shorten(args)
-                result = run(args, tmp_path)
+                result = run(args, cwd)
                 assert result.returncode == 0, f"{line}\n{result.stderr[-3000:]}"
             else:
-                pytest.fail(f"README command {line!r}: the test does not know how to run {program!r}")
+                pytest.fail(f"command {line!r}: the test does not know how to run {program!r}")
             ran.append(shlex.join(args))
-    print(
-        f"\nREADME: ran {len(ran)} commands, checked {len(checked)} pip lines, skipped {len(skipped)} (# gpu):"
-    )
+    print(f"\nran {len(ran)} commands, checked {len(checked)} pip lines, skipped {len(skipped)} (# gpu):")
     print("\n".join(f"  skipped: {line}" for line in skipped))
-    assert len(ran) >= 12, ran
     assert all(GPU_MARKER.search(line) for line in skipped)
+    return ran, checked, skipped
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path):
+    ran, _, _ = run_commands(readme_commands((ROOT / "README.md").read_text()), tmp_path)
+    assert len(ran) >= 12, ran
+
+
+@pytest.mark.slow
+def test_every_docs_command_runs(tmp_path):
+    def key(line: str) -> str:  # the command as the shell splits it: spacing and comments aside
+        return " && ".join(shlex.join(args) for args in split_and(line))
+
+    in_readme = {key(line) for line, _ in readme_commands((ROOT / "README.md").read_text())}
+    commands = [
+        (line, needs_gpu)
+        for path in sorted((ROOT / "docs").glob("*.md"))
+        for line, needs_gpu in readme_commands(path.read_text())
+        if key(line) not in in_readme
+    ]
+    ran, checked, skipped = run_commands(commands, tmp_path)
+    assert len(ran) + len(checked) + len(skipped) == len(commands) and ran, commands
 
 
 def test_extractor_reads_blocks_markers_and_chains():

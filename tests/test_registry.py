@@ -41,7 +41,7 @@ def test_interpreter_selects_the_custom_op_path(monkeypatch):
 
 
 def test_float64_never_goes_to_triton(monkeypatch):
-    monkeypatch.setattr(_registry, "TRITON_OPS", True)
+    monkeypatch.setattr(registry, "TRITON_OPS", True)
     assert not use_triton(torch.randn(2, dtype=torch.float64))
     assert not use_triton(torch.randn(2))  # a CPU tensor
 

@@ -69,9 +69,16 @@ left-padded prompts should switch back with ``model.set_attn_implementation("sdp
 mask passed by the caller still reaches the function and is honoured. Packing signalled only by
 restarting ``position_ids`` (without ``cu_seq_lens``) is not detected: pass ``cu_seq_lens_q/k``.
 
+Chunked attention (Llama 4's ``"chunked_attention"`` layers, read from the calling module's config
+and ``layer_idx``) cuts every document into pieces of ``attention_chunk_size`` positions: the varlen
+backend runs on those pieces' bounds (a fixed-length ``cu_seqlens`` built once per batch on the
+device), flex and sdpa build their masks from them. Llama 4's temperature-tuned NoPE layers scale
+queries by their position in the row; a packed row rescales them to positions in the document.
+
 Rooms: :mod:`.packed` (the registered function: argument checks, backend choice, unpacked rows),
 :mod:`.varlen` (the flash varlen backend, GQA and sinks), :mod:`.masked` (the flex and sdpa
-backends, their document masks and the per-batch mask cache).
+backends, their document masks and the per-batch mask cache), :mod:`.width` (the attention width
+of a config, for FLOP counts).
 """
 
 from lightning_sloth.attention.masked import (
@@ -90,11 +97,13 @@ from lightning_sloth.attention.packed import (
     sloth_attention_forward,
 )
 from lightning_sloth.attention.varlen import get_varlen_kv_repeat, set_varlen_kv_repeat
+from lightning_sloth.attention.width import attention_width
 
 __all__ = [
     "ATTENTION_NAME",
     "BACKENDS",
     "FLEX_BLOCK_SIZE",
+    "attention_width",
     "document_block_mask",
     "document_causal_mask",
     "document_ids",

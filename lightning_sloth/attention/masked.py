@@ -23,12 +23,14 @@ def sink_gate(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     return (out.float() * gate[..., None]).to(out.dtype)
 
 
-def flex_packed(query, key, value, cu_seqlens, scaling, window, sinks=None) -> Tensor:
+def flex_packed(query, key, value, cu_seqlens, scaling, window, sinks=None, chunk=None) -> Tensor:
     seq_len = query.shape[2]
     block_mask = _MASKS.get(
         cu_seqlens,
-        ("flex", seq_len, window),
-        lambda: document_block_mask(cu_seqlens, seq_len, window, FLEX_BLOCK_SIZE),
+        ("flex", seq_len, window, chunk),
+        lambda: document_block_mask(
+            chunked_segments(cu_seqlens, seq_len, chunk), seq_len, window, FLEX_BLOCK_SIZE
+        ),
     )
     if query.is_cuda:
         attend = _compiled_flex_attention()
@@ -53,10 +55,12 @@ def flex_packed(query, key, value, cu_seqlens, scaling, window, sinks=None) -> T
     return out.transpose(1, 2).contiguous()
 
 
-def sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks=None) -> Tensor:
+def sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks=None, chunk=None) -> Tensor:
     seq_len = query.shape[2]
     mask = _MASKS.get(
-        cu_seqlens, ("dense", seq_len, window), lambda: document_causal_mask(cu_seqlens, seq_len, window)
+        cu_seqlens,
+        ("dense", seq_len, window, chunk),
+        lambda: document_causal_mask(chunked_segments(cu_seqlens, seq_len, chunk), seq_len, window),
     )
     if sinks is not None:
         return attention_with_sinks(query, key, value, mask, scaling, sinks)
@@ -71,6 +75,33 @@ def sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks=None) -> T
 def _compiled_flex_attention() -> Callable:
     # Eager flex materializes the full score matrix; compiled it runs the block-sparse kernel.
     return torch.compile(flex_attention, dynamic=False)
+
+
+def chunked_segments(cu_seqlens: Tensor, seq_len: int, chunk: int | None) -> Tensor:
+    """The segments of ``cu_seqlens`` cut into pieces of ``chunk`` positions (chunked attention, Llama 4:
+    a query sees the keys of its own piece only), built once per batch; ``cu_seqlens`` itself when
+    ``chunk`` is None.
+
+    Returns:
+        ``[n + T // chunk + 1]`` bounds in the dtype of ``cu_seqlens`` (a piece starts where a segment
+        starts and every ``chunk`` positions into it; unused entries at the end repeat ``T``, empty
+        segments). A fixed length, so nothing is read on the host.
+    """
+    if chunk is None:
+        return cu_seqlens
+    return _MASKS.get(cu_seqlens, ("chunked", seq_len, chunk), lambda: _cut(cu_seqlens, seq_len, chunk))
+
+
+def _cut(cu_seqlens: Tensor, seq_len: int, chunk: int) -> Tensor:
+    positions = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    into_segment = (
+        positions - cu_seqlens[document_ids(cu_seqlens, seq_len).clamp(max=cu_seqlens.shape[0] - 1)]
+    )
+    starts = torch.where(into_segment % chunk == 0, positions, seq_len)
+    # At most one start per segment beyond its whole pieces: n + T // chunk starts in all.
+    count = min(seq_len, cu_seqlens.shape[0] - 1 + seq_len // chunk)
+    starts = torch.sort(starts).values[:count]
+    return torch.cat([starts, starts.new_full((1,), seq_len)])
 
 
 def document_ids(cu_seqlens: Tensor, seq_len: int) -> Tensor:
@@ -189,19 +220,23 @@ def attention_with_sinks(query, key, value, mask, scaling, sinks) -> Tensor:
 
 
 def causal_window_mask(
-    q_len: int, window: int | None, device: torch.device, kv_len: int | None = None
+    q_len: int, window: int | None, device: torch.device, kv_len: int | None = None, chunk: int | None = None
 ) -> Tensor:
-    """``[T, S]`` causal (sliding-window) mask for unpacked rows (built per call: an uncommon path).
+    """``[T, S]`` causal (sliding-window or chunked) mask for unpacked rows (built per call: an
+    uncommon path).
 
-    Queries are the last ``T`` of ``S`` positions: query ``i`` sits at ``i + S - T``.
+    Queries are the last ``T`` of ``S`` positions: query ``i`` sits at ``i + S - T``. With ``chunk``,
+    a query sees only keys of its own piece of ``chunk`` positions.
     """
     kv_len = q_len if kv_len is None else kv_len
-    distance = (torch.arange(q_len, device=device) + kv_len - q_len)[:, None] - torch.arange(
-        kv_len, device=device
-    )
+    query_pos = torch.arange(q_len, device=device) + kv_len - q_len
+    key_pos = torch.arange(kv_len, device=device)
+    distance = query_pos[:, None] - key_pos
     keep = distance >= 0
     if window is not None:
         keep &= distance < window
+    if chunk is not None:
+        keep &= query_pos[:, None] // chunk == key_pos // chunk
     return keep
 
 

@@ -13,6 +13,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from lightning_sloth.attention.masked import (
     attention_with_sinks,
     causal_window_mask,
+    chunked_segments,
+    document_ids,
     flex_packed,
     sdpa_packed,
 )
@@ -106,6 +108,8 @@ def sloth_attention_forward(
             the last equal to ``T``), ``max_length_q`` / ``max_length_k`` (Python ints, at least the
             longest document), ``sliding_window`` (int or ``None``), ``s_aux`` (GPT-OSS attention
             sinks, ``[Hq]``, or ``None``); the rest goes to transformers' SDPA on unpacked batches.
+            A chunked-attention layer (Llama 4, read from the module's config and ``layer_idx``)
+            cuts every document into pieces of ``config.attention_chunk_size`` positions.
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``[B, T, Hq, D]`` in the dtype of ``query`` (the
@@ -149,6 +153,14 @@ def _unpacked_attention(
     window = kwargs.pop("sliding_window", None)
     sinks = kwargs.pop("s_aux", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    chunk = attention_chunk(module)
+    if chunk is not None and attention_mask is None and kv_len > chunk:
+        if q_len != kv_len:
+            raise NotImplementedError(
+                "sloth attention: chunked attention with a KV cache is not supported; "
+                'use model.set_attn_implementation("sdpa") for generation'
+            )
+        attention_mask = causal_window_mask(q_len, window, query.device, chunk=chunk)
     if sinks is not None:
         if dropout > 0.0:
             raise NotImplementedError(
@@ -205,16 +217,69 @@ def _packed_attention(
         _check_cu_seqlens(cu_seqlens_k, seq_len, "cu_seq_lens_k")
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
+    chunk = attention_chunk(module)
+    if chunk is not None and max(max_q, max_k) <= chunk:
+        chunk = None  # no document is longer than a piece: plain document-causal attention
+    if chunk is not None and cu_seqlens_k is not cu_seqlens:
+        raise NotImplementedError(
+            "sloth packed attention: chunked attention needs cu_seq_lens_k == cu_seq_lens_q"
+        )
 
+    query = _document_temperature(module, query, cu_seqlens, seq_len)
     query, key, value = _autocast_inputs(query, key, value)
     backend = _resolve_backend(query, key, value)
+    value_dim = value.shape[-1]
+    if backend == "varlen" and value_dim < head_dim:
+        # MLA (DeepSeek-V3): values narrower than queries/keys. The flash kernel takes one head
+        # size; zero columns added to V leave the first value_dim output columns and every
+        # gradient unchanged, and the extra output columns are dropped.
+        value = torch.nn.functional.pad(value, (0, head_dim - value_dim))
     if backend == "varlen":
+        if chunk is not None:
+            cu_seqlens = cu_seqlens_k = chunked_segments(cu_seqlens, seq_len, chunk)
+            max_q = max_k = chunk
         out = varlen_packed(query, key, value, cu_seqlens, cu_seqlens_k, max_q, max_k, scaling, window, sinks)
+        out = out[..., :value_dim] if value_dim < head_dim else out
     elif backend == "flex":
-        out = flex_packed(query, key, value, cu_seqlens, scaling, window, sinks)
+        out = flex_packed(query, key, value, cu_seqlens, scaling, window, sinks, chunk)
     else:
-        out = sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks)
+        out = sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks, chunk)
     return out, None
+
+
+def _document_temperature(module: torch.nn.Module, query: Tensor, cu_seqlens: Tensor, seq_len: int) -> Tensor:
+    """Llama 4's temperature-tuned NoPE layers scale each query by ``1 + attn_scale * log1p(floor((p +
+    1) / floor_scale))`` of its position ``p`` in the *row* (``arange`` in the layer's forward); a
+    document run alone has ``p`` counted from its own start. Rescale by the ratio of the two, on the
+    device, so a packed row equals its documents run alone (positions ``p < floor_scale - 1`` are
+    scaled by 1 either way: rows shorter than ``floor_scale`` are left as they are).
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    floor_scale, attn_scale = module.floor_scale, module.attn_scale
+    if seq_len < floor_scale:
+        return query
+    row = torch.arange(seq_len, device=query.device, dtype=torch.float32)
+    start = cu_seqlens[document_ids(cu_seqlens, seq_len).clamp(max=cu_seqlens.shape[0] - 1)].to(torch.float32)
+
+    def temperature(position: Tensor) -> Tensor:
+        return torch.log1p(torch.floor((position + 1.0) / floor_scale)) * attn_scale + 1.0
+
+    ratio = temperature(row - start) / temperature(row)
+    return (query.to(torch.float32) * ratio[:, None]).to(query.dtype)
+
+
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The piece length of a chunked-attention layer (``config.layer_types[layer_idx] ==
+    "chunked_attention"``, Llama 4: ``config.attention_chunk_size``), else None."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not layer_types or not isinstance(index, int) or index >= len(layer_types):
+        return None
+    if layer_types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
 
 
 def _host_int(value, name: str) -> int:

@@ -7,7 +7,9 @@
 Rooms, each importing only those below it:
 
 - :mod:`.suite` (the Hydra suite: probe, one fresh process per system, one JSON per run),
-  :mod:`.harness` (the argparse harness) and :mod:`.report` (tables and plots from the JSON);
+  :mod:`.harness` (the argparse harness) and :mod:`.report` (the generated blocks of README.md and
+  docs/*.md, and their plots), which renders through :mod:`.headline` (the cross-scenario headline,
+  the supported-models table) and :mod:`.tables` (one renderer per kind of result file);
 - :mod:`.systems`: every system by name — lightning_sloth's, its ablations, and the peers of
   :mod:`.peers` (transformers + PEFT, Liger-Kernel, Unsloth, bitsandbytes);
 - :mod:`.measure`: how one system's steps are timed, its peaks, FLOPs and gradient health;

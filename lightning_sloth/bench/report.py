@@ -1,185 +1,57 @@
-"""README benchmark tables and plots, generated from the committed JSON under ``benchmarks/results/``.
+"""Benchmark tables and plots of README.md and docs/*.md, generated from the committed JSON under
+``benchmarks/results/``.
 
-    python -m lightning_sloth.bench report            # rewrite the README blocks, draw the plots
-    python -m lightning_sloth.bench report --check    # exit 1 if the README differs from the JSON
+    python -m lightning_sloth.bench report            # rewrite the blocks, draw the plots
+    python -m lightning_sloth.bench report --check    # exit 1 naming each file that differs
 
-A README block is everything between two markers; its content is generated, never typed::
+A block is everything between two markers, in README.md or any ``docs/*.md``; its content is
+generated, never typed::
 
     <!-- bench:NAME sources=a.json,b.json baseline=hf_padded -->
     ...
     <!-- /bench:NAME -->
 
 ``kind`` picks the renderer: ``suite`` (default: files of the suite and of the argparse harness),
-``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``moe_layer``, ``kernels``, ``offload``.
+``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``moe_layer``, ``kernels``, ``offload``,
+``headline`` (several scenarios, one row each, chosen systems as columns, with a plot) and
+``families`` (the supported-models table from ``lightning_sloth.patching.families`` and the tests
+that name each family; no result files).
 ``sources`` (default ``NAME.json``) are read in order; a system measured in several keeps the last
 file's record, in the place it first appeared. ``baseline`` adds a column with each system's
 throughput relative to that system. A block of suite files (with a ``scenario``) gets a plot,
 ``NAME.png`` beside them (tokens/s with the min-max spread of the timed steps, and peak memory),
-linked under its table; a suite file in no block gets ``<stem>.png``. Older result files lack some fields (spread,
-measured MFU, LoRA A/B norms, status): their cells read "—".
+linked under its table by a path relative to the markdown file; a suite file in no block gets
+``<stem>.png``. A block name is one plot: the same name in two files must have the same
+parameters. Older result files lack some fields (spread, measured MFU, LoRA A/B norms, status):
+their cells read "—".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 from pathlib import Path
+
+from lightning_sloth.bench.headline import plot_headline, render_families, render_headline
+from lightning_sloth.bench.tables import (
+    merged_results,
+    render_compact,
+    render_fsdp,
+    render_kernels,
+    render_moe_layer,
+    render_offload,
+    render_table,
+    status,
+    system_label,
+    tokens_per_s,
+)
 
 MARKER = re.compile(
     r"<!-- bench:(?P<name>[\w.-]+)(?P<params>[^>]*?) -->\n(?P<body>.*?)<!-- /bench:(?P=name) -->",
     re.S,
 )
-
-# Names of systems measured by earlier versions of the harness (bench.SYSTEMS).
-EXTRA_LABELS = {
-    "sloth_kernels_compile": "lightning_sloth + regional compile",
-    "sloth_kernels_planned": 'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")',
-    "sloth_kernels_no_checkpointing": "lightning_sloth kernels, no checkpointing at all",
-    "sloth_bf16": "lightning_sloth, bf16 base weights (kernels=True)",
-    "hf_packed_flex": "transformers + PEFT, packed rows, its FlexAttention",
-}
-DASH = "—"
-
-
-def system_label(record: dict) -> str:
-    """What a table and a plot call a system."""
-    if record.get("label"):
-        return record["label"]
-    from lightning_sloth.bench.systems import SUITE_SYSTEMS
-
-    name = record["system"]
-    if name in SUITE_SYSTEMS:
-        return SUITE_SYSTEMS[name].label
-    if name in EXTRA_LABELS:
-        return EXTRA_LABELS[name]
-    match = re.fullmatch(r"sloth_kernels_offload_budget_(.+)gib", name)
-    if match:
-        return f"lightning_sloth + offload and a {match.group(1)} GiB activation budget"
-    return name
-
-
-def status(record: dict) -> str:
-    """``ok``, ``failed``, ``oom`` or ``error`` (older files mark only out-of-memory)."""
-    if "status" in record:
-        return record["status"]
-    return "oom" if record.get("oom") else "ok"
-
-
-def tokens_per_s(record: dict) -> float | None:
-    """Median real tokens/s over the timed steps (older files: total tokens over total time)."""
-    return record.get("tokens_per_s_median", record.get("tokens_per_s"))
-
-
-def merged_results(reports: list[dict]) -> list[dict]:
-    """The records of several result files, in order; a repeated system keeps the last record."""
-    order: list[str] = []
-    latest: dict[str, dict] = {}
-    for report in reports:
-        for record in report["results"]:
-            if record["system"] not in latest:
-                order.append(record["system"])
-            latest[record["system"]] = record
-    return [latest[name] for name in order]
-
-
-def _num(value, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return DASH
-    return format(value, fmt)
-
-
-def _pct(value) -> str:
-    return DASH if value is None else f"{value:.1%}"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _row(record: dict, baseline: float | None) -> list[str]:
-    state = status(record)
-    label = _cell(system_label(record))
-    if state != "ok":
-        reason = record.get("reason") or record.get("error") or ""
-        return [label, f"**{state}**: {_cell(reason[:120])}"] + [DASH] * (6 if baseline else 5)
-    tps = tokens_per_s(record)
-    spread = DASH
-    if "tokens_per_s_min" in record:
-        spread = f"{record['tokens_per_s_min']:,.0f} – {record['tokens_per_s_max']:,.0f}"
-    cells = [label, f"{tps:,.0f}", spread]
-    if baseline:
-        cells.append(f"{tps / baseline:.2f}×")
-    cells.append(
-        f"{_num(record.get('peak_allocated_gib'), '.2f')} / {_num(record.get('peak_reserved_gib'), '.2f')}"
-    )
-    measured = record.get("mfu_measured")
-    datasheet = record.get("mfu_datasheet", record.get("mfu"))
-    cells.append(f"{_pct(measured)} / {_pct(datasheet)}")
-    cells.append(f"{_num(record.get('first_loss'), '.4f')} → {_num(record.get('last_loss'), '.4f')}")
-    a, b = record.get("lora_A_grad_norm"), record.get("lora_B_grad_norm")
-    if a is None and b is None:
-        grads = f"{_num(record.get('trainable_grad_norm'), '.3g')} (all)"
-    else:
-        grads = f"{_num(a, '.3g')} / {_num(b, '.3g')}"
-    cells.append(grads)
-    return cells
-
-
-def caption(reports: list[dict], sources: list[str]) -> str:
-    """One generated line naming the files, device, versions and workload behind a table; where
-    several runs make one table, each file's commit and measured matmul rate are named."""
-    env, work = reports[-1]["environment"], reports[-1]["workload"]
-    parts = [env.get("device", "?")]
-    for key in ("torch", "triton", "transformers", "peft", "liger_kernel", "unsloth"):
-        value = next((r["environment"][key] for r in reports if r["environment"].get(key)), None)
-        if value:
-            parts.append(f"{key.replace('_', '-')} {value}")
-    if env.get("driver"):
-        parts.append(f"driver {env['driver']}")
-    for source, report in zip(sources, reports):
-        run_env, run = report["environment"], []
-        if run_env.get("matmul_probe_tflops"):
-            run.append(f"measured bf16 matmul {run_env['matmul_probe_tflops']:.0f} TFLOP/s")
-        if run_env.get("git_commit"):
-            run.append(f"commit {run_env['git_commit'][:10]}")
-        if run:
-            parts.append((f"`{source}`: " if len(reports) > 1 else "") + ", ".join(run))
-    steps = {(r["workload"]["warmup_steps"], r["workload"]["timed_steps"]) for r in reports}
-    if len(steps) == 1:
-        steps_text = f"{work['warmup_steps']} warm-up + {work['timed_steps']} timed steps"
-    else:  # runs of different lengths: each file's own
-        steps_text = ", ".join(
-            f"`{source}`: {r['workload']['warmup_steps']} warm-up + {r['workload']['timed_steps']} timed steps"
-            for source, r in zip(sources, reports)
-        )
-    workload = f"{work['tokens_per_step']:,} tokens per step, LoRA r={work['lora_r']}, {steps_text}"
-    files = ", ".join(f"`{s}`" for s in sources)
-    return f"Generated from {files}: {', '.join(parts)}; {workload}."
-
-
-def render_table(reports: list[dict], sources: list[str], baseline_system: str | None) -> str:
-    """The markdown of one README block (caption and table)."""
-    rows = merged_results(reports)
-    baseline = None
-    if baseline_system:
-        base = next((r for r in rows if r["system"] == baseline_system and status(r) == "ok"), None)
-        baseline = tokens_per_s(base) if base else None
-    header = ["system", "real tokens/s", "min – max over steps"]
-    if baseline:
-        header.append(f"vs `{baseline_system}`")
-    header += [
-        "peak allocated / reserved GiB",
-        "MFU measured / datasheet",
-        "loss first → last",
-        "grad norm LoRA A / B",
-    ]
-    align = ["---"] + ["---:"] * (len(header) - 1)
-    lines = [caption(reports, sources), "", "| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(_row(r, baseline)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
 
 
 def _params(text: str) -> dict[str, str]:
@@ -214,8 +86,8 @@ def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
 
     def block(match: re.Match) -> str:
         name, params, sources = _block_sources(match)
-        reports = _load(results_dir, name, sources)
         kind = params.get("kind", "suite")
+        reports = [] if kind in SOURCELESS else _load(results_dir, name, sources)
         if kind == "suite":
             body = render_table(reports, sources, params.get("baseline"))
         elif kind in RENDERERS:
@@ -228,6 +100,9 @@ def update_readme(text: str, results_dir: Path, readme_dir: Path) -> str:
             png = results_dir / f"{name}.png"
             title = reports[0]["scenario"].get("title", name)
             body += f"\n![{title}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
+        elif kind in PLOTTERS:
+            png = results_dir / f"{name}.png"
+            body += f"\n![{PLOTTERS[kind][1]}]({Path(os.path.relpath(png, readme_dir)).as_posix()})\n"
         return f"<!-- bench:{name}{match.group('params')} -->\n{body}<!-- /bench:{name} -->"
 
     return MARKER.sub(block, text)
@@ -238,13 +113,17 @@ def plots(text: str, results_dir: Path) -> list[Path]:
     suite file (``<stem>.png``); returns the paths written."""
     written, used = [], set()
     for match in MARKER.finditer(text):
-        name, _, sources = _block_sources(match)
+        name, params, sources = _block_sources(match)
+        kind = params.get("kind", "suite")
+        if kind in SOURCELESS or results_dir / f"{name}.png" in written:  # a block in two files: one plot
+            continue
         reports = _load(results_dir, name, sources)
-        if (
-            all("scenario" in r for r in reports)
-            and _params(match.group("params")).get("kind", "suite") == "suite"
-        ):
+        if all("scenario" in r for r in reports) and kind == "suite":
             plot(merged_report(reports), results_dir / f"{name}.png")
+            written.append(results_dir / f"{name}.png")
+            used.update(sources)
+        elif kind in PLOTTERS:
+            PLOTTERS[kind][0](reports, sources, params, results_dir / f"{name}.png")
             written.append(results_dir / f"{name}.png")
             used.update(sources)
     for path in suite_files(results_dir):
@@ -308,261 +187,55 @@ def suite_files(results_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_sloth.bench report",
-        description="Regenerate the README's benchmark tables and the plots from the result JSON.",
+        description="Regenerate the benchmark tables of README.md and docs/*.md, and the plots, from the result JSON.",
     )
     parser.add_argument("--results", default="benchmarks/results", help="folder of result JSON")
     parser.add_argument("--readme", default="README.md")
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
+    parser.add_argument("--docs", help="folder of further markdown files (default: docs/ beside the README)")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a file is stale")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     results, readme = Path(args.results), Path(args.readme)
-    text = readme.read_text()
-    new = update_readme(text, results, readme.resolve().parent)
+    files = markdown_files(readme, Path(args.docs) if args.docs else readme.parent / "docs")
+    texts = {path: path.read_text() for path in files}
+    check_block_names(texts)
+    new = {path: update_readme(text, results, path.resolve().parent) for path, text in texts.items()}
+    stale = [path for path in files if new[path] != texts[path]]
     if args.check:
-        if new != text:
+        for path in stale:
             print(
-                f"{readme}: benchmark tables differ from {results}; run `python -m lightning_sloth.bench report`"
+                f"{path}: benchmark tables differ from {results}; run `python -m lightning_sloth.bench report`"
             )
+        if stale:
             return 1
-        print(f"{readme}: benchmark tables match {results}")
+        print(f"{', '.join(map(str, files))}: benchmark tables match {results}")
         return 0
-    if new != text:
-        readme.write_text(new)
-    print(f"{readme}: {len(MARKER.findall(new))} benchmark tables generated")
+    for path in files:
+        if path in stale:
+            path.write_text(new[path])
+        print(f"{path}: {len(MARKER.findall(new[path]))} benchmark tables generated")
     if not args.no_plots:
-        for path in plots(new, results):
+        for path in plots("\n".join(new.values()), results):
             print(f"plot {path}")
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Renderers of the other result files (``kind=`` in a block's marker). Each takes the loaded files
-# and their names and returns the block's markdown; the numbers are the files', never retyped.
+def markdown_files(readme: Path, docs: Path) -> list[Path]:
+    """The files whose blocks ``report`` rewrites: the README, then every ``*.md`` of ``docs``."""
+    return [readme, *sorted(docs.glob("*.md"))]
 
 
-def _env_caption(reports: list[dict], sources: list[str], steps: str = "") -> str:
-    env = reports[-1].get("environment", {})
-    parts = [env.get("device", "?")]
-    for key in ("torch", "triton", "transformers", "peft", "liger_kernel", "bitsandbytes"):
-        if env.get(key):
-            parts.append(f"{key.replace('_', '-')} {env[key]}")
-    files = ", ".join(f"`{s}`" for s in sources)
-    return f"Generated from {files}: {', '.join(parts)}{'; ' + steps if steps else ''}."
-
-
-def _steps_of(record: dict, report: dict) -> tuple | None:
-    work = record.get("workload") or report.get("workload") or {}
-    if "timed_steps" not in work and "timed_steps" not in record:
-        return None
-    return work.get("warmup_steps"), record.get("timed_steps", work.get("timed_steps"))
-
-
-def render_compact(reports: list[dict], sources: list[str], params: dict) -> str:
-    """Records of the argparse harnesses (end-to-end MoE, QLoRA): one row per system (a system in
-    several sources keeps its last record) with real tokens/s, median step, peak allocated, MFU
-    (recounted where the file has it), loss, grad norm."""
-    rows, steps = merged_results(reports), []  # a system measured again keeps its last record
-    for report in reports:
-        for record in report["results"]:
-            pair = _steps_of(record, report)
-            if any(record is row for row in rows) and pair and pair not in steps:
-                steps.append(pair)
-    header = ["system", "real tokens/s", "step", "peak allocated", "MFU", "loss first → last", "grad norm"]
-    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
-    for r in rows:
-        label = _cell(system_label(r))
-        if status(r) != "ok" or tokens_per_s(r) is None:
-            reason = r.get("reason") or r.get("error") or ""
-            lines.append(f"| {label} | **{status(r)}**: {_cell(reason[:120])} |" + f" {DASH} |" * 5)
-            continue
-        mfu = r.get("mfu_recounted", r.get("mfu_datasheet", r.get("mfu")))
-        norm = r.get("trainable_grad_norm", r.get("grad_norm"))
-        lines.append(
-            f"| {label} | {tokens_per_s(r):,.0f} | {_num(r.get('median_step_s'), '.2f')} s | "
-            f"{_num(r.get('peak_allocated_gib'), '.2f')} GiB | {_pct(mfu)} | "
-            f"{_num(r.get('first_loss'), '.3f')} → {_num(r.get('last_loss'), '.3f')} | {_num(norm, '#.3g')} |"
-        )
-    text = ", ".join(f"{w} warm-up + {t} timed" for w, t in steps)
-    caption = _env_caption(reports, sources, f"{text} steps, median" if text else "")
-    return caption + "\n\n" + "\n".join(lines) + "\n"
-
-
-def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
-    """Multi-GPU runs (``benchmarks/fsdp_bench.py``): per run tokens/s per GPU, with the scaling
-    against the one-GPU run of the same shape and LoRA setting where there is one."""
-    runs = [run for report in reports for run in report["runs"]]
-    single = {
-        (r["shape"], r["lora"]): r["tokens_per_s_per_gpu"]
-        for r in runs
-        if r.get("world") == 1 and "tokens_per_s_per_gpu" in r
-    }
-    header = [
-        "shape",
-        "LoRA",
-        "system",
-        "GPUs",
-        "tokens/s per GPU",
-        "step",
-        "peak allocated (reserved) per GPU",
-    ]
-    header += ["MFU", "loss first → last", "grad norm", "steps"]
-    busy = any("gpu_busy_share" in r for r in runs)  # fsdp_bench --profile
-    if busy:
-        header.append("GPU busy (compute / NCCL)")
-    lines = ["| " + " | ".join(header) + " |", "| --- | --- | --- |" + " ---: |" * (len(header) - 3)]
-    for r in runs:
-        head = f"| {r['shape']} | {'r=16' if r.get('lora') else 'full'} | `{r['system']}` | {r.get('gpus', r.get('world'))} |"
-        if "tokens_per_s_per_gpu" not in r:
-            first = r.get("error", "").split(". ")[0]  # the first sentence of the error
-            lines.append(head + f" **error**: {_cell(first[:200])} |" + f" {DASH} |" * (len(header) - 5))
-            continue
-        tps = f"{r['tokens_per_s_per_gpu']:,.0f}"
-        base = single.get((r["shape"], r.get("lora")))
-        if base and r.get("world", 1) > 1:
-            tps += f" ({r['tokens_per_s_per_gpu'] / base:.1%} scaling)"
-        lines.append(
-            head + f" {tps} | {r['median_step_s']:.3f} s | {r['peak_allocated_gib']:.2f} GiB "
-            f"({r['peak_reserved_gib']:.1f}) | {_pct(r.get('mfu'))} | {r['first_loss']:.3f} → "
-            f"{r['last_loss']:.3f} | {r['grad_norm_last_step']:.4g} | {r.get('warmup_steps')} + {r['timed_steps']} |"
-            + (
-                f" {_pct(r['gpu_busy_share'])} ({_pct(r['compute_busy_share'])} / {_pct(r['nccl_busy_share'])}) |"
-                if "gpu_busy_share" in r
-                else f" {DASH} |"
-                if busy
-                else ""
-            )
-        )
-    return _env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
-
-
-MOE_SHAPE_NAMES = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "gpt_oss_20b": "GPT-OSS-20B"}
-
-
-def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> str:
-    """One MoE layer (``benchmarks/moe_bench.py``): median ms and peak over the layer's inputs per
-    experts implementation, with the speed-up and the memory ratio against ``grouped_mm``."""
-    header = ["shape, experts", "transformers `eager`", "transformers `grouped_mm`", "lightning_sloth"]
-    header += ["speed-up vs `grouped_mm`", "peak vs `grouped_mm`"]
-    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
-    for report in reports:
-        for case, result in report["results"].items():
-            shape, mode = case.split("/")
-            cfg = report["shapes"][shape]
-            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-            inter = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
-            name = MOE_SHAPE_NAMES.get(shape, shape)
-            label = f"{name} ({cfg['hidden_size']}, {experts} × {inter}, top-{cfg['num_experts_per_tok']}), "
-            label += "LoRA on experts" if mode == "lora" else mode
-            cells = []
-            for impl in ("eager", "grouped_mm", "sloth"):
-                m = result.get(impl)
-                cells.append(f"{m['median_ms']:.1f} ms / {m['peak_over_base_gib']:.2f} GiB" if m else DASH)
-            cells[-1] = f"**{cells[-1]}**"
-            speed, memory = result.get("speedup_vs_grouped_mm"), result.get("memory_ratio_vs_grouped_mm")
-            lines.append(
-                f"| {label} | " + " | ".join(cells) + f" | {_num(speed, '.2f')}× | {_num(memory, '.2f')} |"
-            )
-    tokens = reports[-1].get("tokens")
-    return (
-        _env_caption(reports, sources, f"{tokens:,} tokens" if tokens else "")
-        + "\n\n"
-        + "\n".join(lines)
-        + "\n"
-    )
-
-
-KERNEL_NAMES = {
-    "rms_norm": "RMSNorm",
-    "rope": "RoPE",
-    "swiglu": "SwiGLU",
-    "geglu": "GeGLU",
-    "lora_linear": "LoRA linear",
-    "linear_cross_entropy": "linear cross-entropy",
-}
-KERNEL_IMPLS = (("ours", "ours"), ("eager", "eager"), ("compile", "`torch.compile`"), ("liger", "Liger"))
-
-
-def _g3(value: float) -> str:
-    return f"{value:#.3g}"
-
-
-def render_kernels(reports: list[dict], sources: list[str], params: dict) -> str:
-    """Kernels alone (``benchmarks/kernels_bench.py``): wall / GPU ms per call for every
-    implementation, peak memory where it matters, and ours against the copy bandwidth or in TFLOP/s."""
-    records = [r for report in reports for r in report["records"]]
-    cases: dict[tuple[str, str], dict[str, dict]] = {}
-    for r in records:
-        cases.setdefault((r["op"], r["shape"]), {})[r["impl"]] = r
-    header = ["op (shape)"] + [f"{title}, wall / GPU ms" for _, title in KERNEL_IMPLS]
-    header.append("ours: % of copy bandwidth (others) or TFLOP/s")
-    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
-    for (op, shape), impls in cases.items():
-        cells = []
-        for impl, _ in KERNEL_IMPLS:
-            r = impls.get(impl)
-            if r is None or r.get("status", "ok") != "ok":
-                cells.append(DASH)
-                continue
-            wall = f"{r['median_ms']:.2f}" if r["median_ms"] < 10 else _g3(r["median_ms"])
-            cell = f"{wall} / {_g3(r['device_ms'])}" if r.get("device_ms") else wall
-            if r.get("gbps") is None:  # compute-bound ops: their memory is the point
-                cell += f", {r['peak_mib'] / 1024:.2f} GiB"
-            cells.append(cell)
-        ours = impls.get("ours", {})
-        if ours.get("copy_fraction") is not None:
-            others = [
-                f"{title} {impls[impl]['copy_fraction']:.0%}"
-                for impl, title in KERNEL_IMPLS[1:]
-                if impls.get(impl, {}).get("copy_fraction") is not None
-            ]
-            last = f"{ours['copy_fraction']:.0%} ({', '.join(others)})"
-        elif ours.get("tflops") is not None:
-            last = f"{ours['tflops']:.0f} TFLOP/s"
-        else:
-            last = DASH
-        lines.append(f"| {KERNEL_NAMES.get(op, op)} (`{shape}`) | " + " | ".join(cells) + f" | {last} |")
-    copy = reports[-1].get("copy_bandwidth_gbps")
-    steps = f"copy bandwidth measured {copy / 1000:.2f} TB/s" if copy else ""
-    return _env_caption(reports, sources, steps) + "\n\n" + "\n".join(lines) + "\n"
-
-
-OFFLOAD_SETUPS = {
-    "none": "(a) no checkpointing",
-    "checkpoint": "(b) plain checkpointing",
-    "offload_single": "(c) offload, single-buffered",
-    "offload_double": "(d) offload, double-buffered",
-    "save_on_cpu": "(e) `torch.autograd.graph.save_on_cpu`",
-    "planned": "memory plan with the whole card",
-}
-
-
-def render_offload(reports: list[dict], sources: list[str], params: dict) -> str:
-    """Checkpointing and offload (``benchmarks/offload_bench.py``): tokens/s and peak per setup for
-    each timed file's shape, and the longest step of a ``max_tokens`` file."""
-    setups: list[str] = []
-    columns: list[tuple[str, dict]] = []
-    for report in reports:
-        if "max_tokens" in report:
-            shape = report["runs"][0]["config"]["shape"]
-            values = {s: f"{v['tokens']:,}" for s, v in report["max_tokens"].items()}
-            columns.append((f"{shape} longest step", values))
-        else:
-            shape = report["config"]["shape"]
-            speed, peak = {}, {}
-            for r in report["results"]:
-                oom = r.get("oom")
-                speed[r["setup"]] = "OOM" if oom else f"{r['tokens_per_s']:,.0f}"
-                peak[r["setup"]] = DASH if oom else f"{r['peak_allocated_gib']:.2f} GiB"
-            columns += [(f"{shape} tokens/s", speed), (f"{shape} peak", peak)]
-        for setup in columns[-1][1]:
-            if setup not in setups:
-                setups.append(setup)
-    header = ["setting"] + [title for title, _ in columns]
-    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(columns)]
-    for setup in setups:
-        cells = [values.get(setup, DASH) for _, values in columns]
-        lines.append(f"| {OFFLOAD_SETUPS.get(setup, setup)} | " + " | ".join(cells) + " |")
-    return _env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
+def check_block_names(texts: dict[Path, str]) -> None:
+    """A block name is one plot (``NAME.png``): refuse one name with two parameter sets."""
+    seen: dict[str, tuple[str, Path]] = {}
+    for path, text in texts.items():
+        for match in MARKER.finditer(text):
+            name, params = match.group("name"), match.group("params").strip()
+            first = seen.setdefault(name, (params, path))
+            if first[0] != params:
+                raise ValueError(
+                    f"block {name!r} is in {first[1]} and {path} with different parameters; rename one"
+                )
 
 
 RENDERERS = {
@@ -571,4 +244,14 @@ RENDERERS = {
     "moe_layer": render_moe_layer,
     "kernels": render_kernels,
     "offload": render_offload,
+    "headline": render_headline,
+    "families": render_families,
 }
+
+
+PLOTTERS = {"headline": (plot_headline, "real tokens/s per scenario and system")}
+"""Kinds that draw their own plot, ``NAME.png``: the drawing function and the image's alt text."""
+
+
+SOURCELESS = {"families"}
+"""Kinds that read no result file."""

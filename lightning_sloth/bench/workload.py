@@ -57,6 +57,37 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
     ),
+    # Qwen3-30B-A3B at full depth: 48 layers, 128 experts of 768 (top 8); ~61 GB of bf16 weights,
+    # which no single card holds with training state (fsdp_bench builds it per shard).
+    "qwen3_30b_a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),
+    # A tiny Qwen3-MoE for CPU smoke runs of the multi-GPU benchmark (a small vocabulary: the CPU's
+    # bf16 output projection is slow).
+    "tiny_moe": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
     # GPT-OSS-20B's layer shape (GptOssConfig's defaults: hidden 2880, 64/8 heads of 64, experts of
     # 2880, alternating 128-token sliding-window and full attention, sinks) at 8 of its 24 layers.
     "gpt_oss_20b_8l": dict(
@@ -72,6 +103,16 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
         tie_word_embeddings=True,
+    ),
+    # Llama-3.1-70B (its llama3 rope scaling left out: it changes no shape or FLOP): QLoRA across GPUs.
+    "llama_3_1_70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
     ),
     "qwen3_14b": dict(
         hidden_size=5120,
@@ -96,11 +137,20 @@ SHAPE_FAMILIES = {
     "qwen3_0_6b": "qwen3",
     "qwen3_14b": "qwen3",
     "qwen3_30b_a3b_8l": "qwen3_moe",
+    "qwen3_30b_a3b": "qwen3_moe",
+    "tiny_moe": "qwen3_moe",
     "gpt_oss_20b_8l": "gpt_oss",
 }
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = (
+    "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "glm4_moe", "deepseek_v3",
+    "llama4_text",
+)  # fmt: skip
+
+# A scenario's own LoRA targets (its ``lora:`` entry), for shapes whose projections have other names
+# (DeepSeek-V3's MLA, Qwen3.5's linear-attention layers): ``{"target_modules", "target_parameters"}``.
+SHAPE_LORA: dict[str, dict] = {}
 
 
 def bench_device() -> torch.device:
@@ -124,6 +174,7 @@ class Workload:
     warmup_steps: int = 3
     timed_steps: int = 20
     seed: int = 0
+    init_dtype: str = "float32"  # the dtype random weights are drawn in (bfloat16 where float32 won't fit)
 
     def lengths(self, count: int) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed)
@@ -155,6 +206,12 @@ def register_scenario(scenario: dict) -> Workload:
         model = dict(model)
         SHAPE_FAMILIES[shape] = model.pop("model_type", "llama")
         SHAPES[shape] = model
+    if scenario.get("lora"):
+        lora = {key: list(value) for key, value in dict(scenario["lora"]).items()}
+        unknown = set(lora) - {"target_modules", "target_parameters"}
+        if unknown:
+            raise ValueError(f"scenario {scenario['name']!r}: unknown lora keys {sorted(unknown)}")
+        SHAPE_LORA[shape] = lora
     if shape not in SHAPES:
         raise ValueError(f"scenario {scenario['name']!r}: unknown shape {shape!r} and no model given")
     known = {f.name for f in fields(Workload)}
@@ -257,23 +314,22 @@ def build_base_model(workload: Workload, attn: str):
     torch.manual_seed(workload.seed)
     config = shape_config(workload.shape, attn)
     with torch.device(bench_device()):
-        return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, workload.init_dtype)).to(
+            torch.bfloat16
+        )
 
 
 def build_model(workload: Workload, attn: str, checkpointing: bool = True, base=None):
     """A random-weight model of the workload's shape in bf16, with PEFT LoRA on all projections (a MoE
-    shape: attention and experts); ``base`` (e.g. a 4-bit model) instead of a fresh bf16 one."""
+    shape: attention and experts; a scenario's ``lora:`` targets where it has them); ``base`` (e.g.
+    a 4-bit model) instead of a fresh bf16 one."""
     from peft import LoraConfig, get_peft_model
 
     model = build_base_model(workload, attn) if base is None else base
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     moe = SHAPE_FAMILIES.get(workload.shape) in MOE_FAMILIES
-    lora = LoraConfig(
-        r=workload.lora_r,
-        lora_alpha=2 * workload.lora_r,
-        **(MOE_LORA if moe else {"target_modules": projections}),
-        task_type="CAUSAL_LM",
-    )
+    targets = SHAPE_LORA.get(workload.shape) or (MOE_LORA if moe else {"target_modules": projections})
+    lora = LoraConfig(r=workload.lora_r, lora_alpha=2 * workload.lora_r, **targets, task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,6 +1,6 @@
 """Data room: sources, tokenization, packing and the ``PackedDataModule``. Nothing here touches the GPU."""
 
-from lightning_sloth.data.batch import IGNORE_INDEX, PackedBatch
+from lightning_sloth.data.batch import IGNORE_INDEX, PackedBatch, host_cu_seqlens, inputs_to_device
 from lightning_sloth.data.datamodule import (
     PackedBatchSampler,
     PackedDataModule,
@@ -30,6 +30,8 @@ __all__ = [
     "SYNTHETIC_TASKS",
     "OverlongReport",
     "PackedBatch",
+    "host_cu_seqlens",
+    "inputs_to_device",
     "PackedBatchSampler",
     "PackedCollator",
     "PackedDataModule",

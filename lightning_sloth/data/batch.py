@@ -20,6 +20,32 @@ from torch import Tensor
 
 IGNORE_INDEX = -100
 
+_HOST_BOUNDS = "_sloth_host_cu_seqlens"
+"""Attribute of a device ``cu_seqlens`` holding the host tensor it was copied from (:meth:`PackedBatch.to`)."""
+
+
+def host_cu_seqlens(cu_seqlens: Tensor) -> Tensor | None:
+    """The host copy of a batch's ``cu_seqlens``: ``cu_seqlens`` itself on the CPU, the tensor it was
+    copied from for one that :meth:`PackedBatch.to` (or :func:`inputs_to_device`) put on a device,
+    else None. Per-batch metadata built from the document bounds (e.g. the chunk table of the
+    linear-attention kernels) reads it instead of the device tensor: no device-to-host sync."""
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens
+    return getattr(cu_seqlens, _HOST_BOUNDS, None)
+
+
+def _moved(tensor: Tensor, device: torch.device | str, non_blocking: bool) -> Tensor:
+    moved = tensor.to(device, non_blocking=non_blocking)
+    if moved is not tensor and not tensor.is_floating_point() and tensor.dim() == 1:
+        setattr(moved, _HOST_BOUNDS, tensor)  # only cu_seqlens is 1-D among a batch's tensors
+    return moved
+
+
+def inputs_to_device(inputs: dict, device: torch.device | str, non_blocking: bool = True) -> dict:
+    """Model inputs (:meth:`PackedBatch.model_inputs`) on ``device``, every tensor moved as
+    :meth:`PackedBatch.to` moves it (a device ``cu_seqlens`` keeps its host copy)."""
+    return {k: _moved(v, device, non_blocking) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+
 
 @dataclass
 class PackedBatch:
@@ -93,5 +119,6 @@ class PackedBatch:
         return self._map_tensors(lambda t: t.pin_memory())
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> PackedBatch:
-        """Move every tensor; integer dtypes are kept (``cu_seqlens`` stays int32)."""
-        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        """Move every tensor; integer dtypes are kept (``cu_seqlens`` stays int32). A device
+        ``cu_seqlens`` keeps a reference to its host copy (:func:`host_cu_seqlens`)."""
+        return self._map_tensors(lambda t: _moved(t, device, non_blocking))

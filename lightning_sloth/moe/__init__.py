@@ -11,7 +11,8 @@ Rooms:
 - :mod:`.quant`: 4-bit expert weights (``SlothPrecision(quantize=...)``) and the grouped GEMM
   that dequantises them into a reusable buffer, forward and backward.
 
-``SlothStrategy`` selects all of it for qwen3_moe, mixtral and gpt_oss (``moe=False`` keeps
+``SlothStrategy`` selects all of it for every family of :data:`LAYOUTS` (Qwen3-MoE, Mixtral, GPT-OSS,
+Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, GLM-4-MoE, DeepSeek-V3, Llama 4; ``moe=False`` keeps
 transformers' experts); by hand::
 
     from lightning_sloth.patching import apply_experts
@@ -22,7 +23,12 @@ from lightning_sloth.moe.experts import LoraFactors, experts_forward, register
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
 from lightning_sloth.moe.layouts import COUNTS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
-from lightning_sloth.moe.peft import expert_lora_factors, install_lora_experts, uninstall_lora_experts
+from lightning_sloth.moe.peft import (
+    expert_lora_factors,
+    experts_and_lora,
+    install_lora_experts,
+    uninstall_lora_experts,
+)
 from lightning_sloth.moe.routing import ROUTERS, Grouping, group_by_expert
 
 __all__ = [
@@ -35,6 +41,7 @@ __all__ = [
     "LoraFactors",
     "clamped_swiglu",
     "expert_lora_factors",
+    "experts_and_lora",
     "experts_forward",
     "group_by_expert",
     "grouped_mm",

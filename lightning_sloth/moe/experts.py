@@ -5,7 +5,10 @@ forward through ``ExpertsInterface`` by ``config._experts_implementation``. :fun
 "sloth" there; the function receives ``(experts, hidden_states [T, H], top_k_index [T, k],
 top_k_weights [T, k])`` from transformers' own router and block.
 
-The family layouts are in :mod:`lightning_sloth.moe.layouts`.
+The family layouts are in :mod:`lightning_sloth.moe.layouts`. Llama 4's MoE block does not dispatch
+through ``ExpertsInterface`` (its experts run every token as one ``bmm``); its block forward
+(``lightning_sloth.patching``) routes and calls :func:`experts_forward` itself, which then scales
+each gathered input row by its routing weight (``ExpertLayout.scaled_input``).
 
 LoRA on the experts (PEFT's ``target_parameters``) never builds a delta weight: with factors
 ``A_e [r, in]``, ``B_e [out, r]`` and scale ``s`` the projection is computed as
@@ -162,9 +165,15 @@ def experts_forward(
     # needs, and a local would hold e.g. the [S, H] gathered rows through the whole layer.
     # Without biases the down projection is linear, so the routing weights may scale its input:
     # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
-    weight_first = not layout.bias and not layout.clamped and experts.config.hidden_act in _SILU
+    activation = getattr(getattr(experts, "config", None), "hidden_act", None)
+    weight_first = not (layout.bias or layout.clamped or layout.scaled_input) and activation in _SILU
+    x = moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k)
+    if layout.scaled_input:
+        # Llama 4: expert(w x). The weight is rounded to the rows' dtype first, as transformers'
+        # routed_in = x * scores (both in the model's dtype) rounds it.
+        x = x * top_k_weights.reshape(-1).index_select(0, grouping.perm).to(dtype)[:, None]
     h = _project(
-        moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k),
+        x,
         experts,
         "gate_up_proj",
         experts.gate_up_proj_bias if layout.bias else None,
@@ -176,7 +185,7 @@ def experts_forward(
         a = weighted_swiglu(h, top_k_weights, grouping.perm)
     else:
         a = _activate(experts, layout, h)
-    del h
+    del h, x
     y = _project(
         a,
         experts,
@@ -187,7 +196,7 @@ def experts_forward(
         lora.get("down_proj"),
     )
     del a
-    if weight_first:
+    if weight_first or layout.scaled_input:
         out = moe_sum(y, grouping.perm, grouping.inv, top_k)
     else:
         out = moe_combine(y, top_k_weights, grouping.perm, grouping.inv)

@@ -15,7 +15,10 @@ PEFT's factor layout for a 3-D parameter with E experts and rank r, read exactly
 
 with ``in``/``out`` the projection's input and output sizes (PEFT swaps the stored ``[E, out, in]``
 of Qwen3-MoE/Mixtral; GPT-OSS stores ``[E, in, out]``). Both give ``delta_e = B_e A_e`` in
-``[out, in]`` terms, i.e. ``x -> x W_e + s (x A_e^T) B_e^T``. The adapter's parameters, names and
+``[out, in]`` terms, i.e. ``x -> x W_e + s (x A_e^T) B_e^T``. PEFT decides the orientation from the
+module's ``is_transposed`` flag; Llama 4's experts store ``[E, in, out]`` without the flag, so PEFT
+reads them as ``[E, out, in]`` and its delta is ``B_e A_e`` over the stored ``[in, out]``: there
+the factors swap roles (``x -> x W_e + s (x B_e) A_e``), which :func:`expert_lora_factors` does. The adapter's parameters, names and
 saved format are PEFT's own, so ``save_pretrained``/``PeftModel.from_pretrained`` work unchanged.
 
 Anything outside the plain case (several or no active adapters, merged or disabled adapters, a
@@ -30,10 +33,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_sloth.moe.experts import LoraFactors, experts_forward
-from lightning_sloth.moe.layouts import LAYOUTS
+from lightning_sloth.moe.layouts import LAYOUTS, experts_model_type, layout_of
 from lightning_sloth.moe.quant import expert_storage
 
-__all__ = ["expert_lora_factors", "install_lora_experts", "lora_experts_forward", "uninstall_lora_experts"]
+__all__ = [
+    "expert_lora_factors",
+    "experts_and_lora",
+    "install_lora_experts",
+    "lora_experts_forward",
+    "uninstall_lora_experts",
+]
 
 _MARK = "_sloth_lora_experts"
 
@@ -50,17 +59,22 @@ def _chain(wrapper: nn.Module) -> tuple[list[nn.Module], nn.Module]:
     """The nested ParamWrappers from ``wrapper`` inwards, and the experts module they wrap."""
     param_wrapper = _param_wrapper_class()
     chain, module = [], wrapper
-    while isinstance(module, param_wrapper):
+    while param_wrapper is not None and isinstance(module, param_wrapper):
         chain.append(module)
         module = module.base_layer
     return chain, module
 
 
-def expert_lora_factors(wrapper: nn.Module) -> LoraFactors | None:
+def expert_lora_factors(wrapper: nn.Module, transposed: bool | None = None) -> LoraFactors | None:
     """The factors of one ``ParamWrapper`` in the plain case, else None.
 
     Plain: adapters enabled and unmerged, exactly one active adapter present on this wrapper, a
     3-D parameter with more than one expert.
+
+    Args:
+        wrapper: the ``ParamWrapper``.
+        transposed: the experts' true layout (:class:`~lightning_sloth.moe.layouts.ExpertLayout`);
+            where PEFT read the weight the other way round, A and B swap roles (module docstring).
     """
     if wrapper.disable_adapters or wrapper.merged or getattr(wrapper, "num_experts", 1) <= 1:
         return None
@@ -73,18 +87,30 @@ def expert_lora_factors(wrapper: nn.Module) -> LoraFactors | None:
     weight_b = wrapper.lora_B[adapter].weight
     a = weight_a.view(experts, -1, weight_a.shape[-1])
     b = weight_b.view(weight_b.shape[0], -1, experts).permute(2, 0, 1)
+    # PEFT swaps in/out (reads [E, out, in]) exactly when the base module is not flagged transposed.
+    peft_read_out_in = getattr(
+        wrapper, "_did_swap_in_out_features", not getattr(wrapper.get_base_layer(), "is_transposed", False)
+    )
+    if transposed is not None and peft_read_out_in == transposed:
+        a, b = b.transpose(1, 2).contiguous(), a.transpose(1, 2)  # the GEMMs take A [E, r, in] row-major
     return LoraFactors(a=a, b=b, scale=float(wrapper.scaling[adapter]))
 
 
-def lora_experts_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """Forward of the outermost ``ParamWrapper`` around an experts module (instance method).
+def experts_and_lora(module: nn.Module) -> tuple[nn.Module, dict[str, LoraFactors] | None]:
+    """The experts module inside PEFT's ``ParamWrapper`` chain (or ``module`` itself) and its LoRA factors.
 
-    Falls back to PEFT's forward outside the plain case (see :func:`expert_lora_factors`).
+    Returns:
+        ``(experts, {parameter_name: LoraFactors})`` (an empty dict without adapters), or
+        ``(experts, None)`` outside the plain case (see :func:`expert_lora_factors`).
+
+    Raises:
+        ValueError: LoRA outside the plain case on a weight stored in 4 bits (nothing else can run it).
     """
-    chain, experts = _chain(self)
+    chain, experts = _chain(module)
+    transposed = layout_of(experts).transposed if chain else None
     lora = {}
     for wrapper in chain:
-        factors = expert_lora_factors(wrapper)
+        factors = expert_lora_factors(wrapper, transposed)
         if factors is None or wrapper.parameter_name in lora:
             if expert_storage(experts, wrapper.parameter_name) is not None:
                 raise ValueError(
@@ -92,9 +118,18 @@ def lora_experts_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **k
                     "stored in 4 bits, is not in the plain case (one active, unmerged adapter made on the dense "
                     "3-D weight): apply the adapters before quantising and keep one active adapter"
                 )
-            return type(self).forward(self, hidden_states, *args, **kwargs)
+            return experts, None
         lora[wrapper.parameter_name] = factors
-    if len(args) + len(kwargs) != 2:
+    return experts, lora
+
+
+def lora_experts_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """Forward of the outermost ``ParamWrapper`` around an experts module (instance method).
+
+    Falls back to PEFT's forward outside the plain case (see :func:`expert_lora_factors`).
+    """
+    experts, lora = experts_and_lora(self)
+    if lora is None or len(args) + len(kwargs) != 2:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     top_k_index, top_k_weights = (*args, *kwargs.values())
     return experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora)
@@ -120,8 +155,10 @@ def install_lora_experts(model: nn.Module) -> list[str]:
         if isinstance(module, param_wrapper) and id(module) not in inner:
             chain, experts = _chain(module)
             inner.update(id(m) for m in chain[1:])
-            model_type = getattr(getattr(experts, "config", None), "model_type", None)
-            if model_type in LAYOUTS and hasattr(experts, "gate_up_proj"):
+            # Experts dispatched through ExpertsInterface only (Llama 4's block calls experts_forward
+            # itself, with the factors from experts_and_lora).
+            dispatched = hasattr(experts, "is_transposed")
+            if dispatched and experts_model_type(experts) in LAYOUTS and hasattr(experts, "gate_up_proj"):
                 module.forward = types.MethodType(lora_experts_forward, module)
                 names.append(name)
     return names

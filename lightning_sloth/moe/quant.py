@@ -32,7 +32,6 @@ from lightning_sloth.moe.gemm import (
     _lora_grouped_mm_op,
 )
 from lightning_sloth.moe.layouts import EXPERTS_NAME
-from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
 from lightning_sloth.ops.nf4_formats import (
     Packed4bit,
@@ -41,6 +40,7 @@ from lightning_sloth.ops.nf4_formats import (
     dequantize_4bit_reference,
     quantize_4bit,
 )
+from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
 __all__ = [
     "EXPERT_WEIGHTS",

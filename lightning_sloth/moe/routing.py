@@ -1,13 +1,26 @@
 """Routing and grouping: which experts each token goes to, and the token rows sorted by expert.
 
-Routers, per family, with transformers' exact semantics (probabilities in float32):
+Routers, per family, with transformers' exact rules (scores in float32):
 
-==========  ================================================================================
-qwen3_moe   softmax(logits) in fp32 -> top-k -> renormalise if ``norm_topk_prob``; weights in
-            the logits' dtype
-mixtral     softmax(logits) in fp32 -> top-k -> renormalise; weights stay float32
-gpt_oss     top-k of the logits (bias included) -> softmax over the k values
-==========  ================================================================================
+===================  =======================================================================
+qwen3_moe,           softmax(logits) in fp32 -> top-k -> renormalise if ``norm_topk_prob``;
+qwen2_moe,           weights in the logits' dtype (Qwen3.5-MoE always renormalises)
+qwen3_next,
+qwen3_5_moe_text
+mixtral              softmax(logits) in fp32 -> top-k -> renormalise; weights stay float32
+gpt_oss              top-k of the logits (bias included) -> softmax over the k values
+glm4_moe,            s = sigmoid(logits); choice = s + ``e_score_correction_bias``; the E experts
+deepseek_v3          in ``n_group`` groups, each scored by the sum of its two best choices; the
+                     ``topk_group`` best groups stay, the others are masked to -inf; top-k of
+                     the choice; weights = s at those experts (not the bias-corrected choice),
+                     renormalised (sum + 1e-20) if ``norm_topk_prob``, times
+                     ``routed_scaling_factor``; weights float32
+llama4_text          top-k of the logits; weights = sigmoid(those logits) (the block scales each
+                     expert's input by its weight)
+===================  =======================================================================
+
+Every rule is a handful of device ops on ``[T, E]`` (softmax/sigmoid, ``topk``, ``scatter``,
+``masked_fill``, ``gather``) with shapes fixed by the config: no host sync.
 
 Grouping (:func:`group_by_expert`) runs once per layer call and only on the device: a stable sort
 of the flattened ``[T * k]`` expert ids, the per-expert row ends by one ``searchsorted`` of the
@@ -27,7 +40,9 @@ __all__ = [
     "ROUTERS",
     "Grouping",
     "group_by_expert",
+    "route_sigmoid_group_topk",
     "route_softmax_topk",
+    "route_topk_sigmoid",
     "route_topk_softmax",
     "router_logits",
 ]
@@ -111,13 +126,94 @@ def route_topk_softmax(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     return torch.softmax(values, dim=-1, dtype=values.dtype), index
 
 
+def route_sigmoid_group_topk(
+    logits: Tensor,
+    top_k: int,
+    correction_bias: Tensor,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    """GLM-4-MoE / DeepSeek-V3 router: sigmoid scores, group-limited top-k, routed scaling.
+
+    Args:
+        logits: ``[T, E]`` router logits (float32).
+        top_k: experts per token.
+        correction_bias: ``[E]`` ``e_score_correction_bias``, added for the choice only.
+        n_group: expert groups (``E % n_group == 0``, at least two experts per group).
+        topk_group: groups a token may choose from.
+        normalize: divide the k weights by their sum (+ 1e-20).
+        scaling: ``routed_scaling_factor``.
+
+    Returns:
+        ``(weights [T, k] in the scores' dtype, index [T, k])``.
+    """
+    experts = logits.shape[-1]
+    if experts % n_group or experts // n_group < 2 or not 0 < topk_group <= n_group:
+        raise ValueError(
+            f"group-limited routing needs n_group ({n_group}) to divide the {experts} experts into groups of at "
+            f"least two and 0 < topk_group ({topk_group}) <= n_group"
+        )
+    scores = logits.sigmoid()
+    choice = scores + correction_bias
+    group_scores = choice.view(-1, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, experts // n_group).reshape(-1, experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    index = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, index
+
+
+def route_topk_sigmoid(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Llama 4 router: top-k of the logits, weights ``sigmoid`` of those logits in float32.
+
+    transformers scatters the k logits into a ``[T, E]`` row of -inf and takes the sigmoid of the
+    row, so every other expert gets weight ``sigmoid(-inf) = 0`` (and a zero input row); the k
+    weights here are the same values.
+    """
+    values, index = torch.topk(logits, top_k, dim=-1)
+    return torch.sigmoid(values.float()), index
+
+
+def _group_limited(logits: Tensor, config, router) -> tuple[Tensor, Tensor]:
+    if router is None:
+        raise ValueError("the group-limited router reads e_score_correction_bias from the router module")
+    return route_sigmoid_group_topk(
+        logits,
+        config.num_experts_per_tok,
+        router.e_score_correction_bias,
+        config.n_group,
+        config.topk_group,
+        bool(config.norm_topk_prob),
+        float(config.routed_scaling_factor),
+    )
+
+
+def _softmax_topk(normalize, keep_float32: bool = False):
+    def route(logits: Tensor, config, router=None) -> tuple[Tensor, Tensor]:
+        norm = normalize if isinstance(normalize, bool) else bool(getattr(config, normalize))
+        return route_softmax_topk(logits, config.num_experts_per_tok, norm, keep_float32)
+
+    return route
+
+
 ROUTERS = {
-    "qwen3_moe": lambda logits, config: route_softmax_topk(
-        logits, config.num_experts_per_tok, bool(config.norm_topk_prob), keep_float32=False
-    ),
-    "mixtral": lambda logits, config: route_softmax_topk(
-        logits, config.num_experts_per_tok, True, keep_float32=True
-    ),
-    "gpt_oss": lambda logits, config: route_topk_softmax(logits, config.num_experts_per_tok),
+    "qwen3_moe": _softmax_topk("norm_topk_prob"),
+    "mixtral": _softmax_topk(True, keep_float32=True),
+    "gpt_oss": lambda logits, config, router=None: route_topk_softmax(logits, config.num_experts_per_tok),
+    "qwen2_moe": _softmax_topk("norm_topk_prob"),
+    "qwen3_next": _softmax_topk("norm_topk_prob"),
+    "qwen3_5_moe_text": _softmax_topk(True),
+    "glm4_moe": _group_limited,
+    "deepseek_v3": _group_limited,
+    "llama4_text": lambda logits, config, router=None: route_topk_sigmoid(logits, config.num_experts_per_tok),
 }
-"""``model_type`` -> ``router(logits [T, E], config) -> (weights [T, k], index [T, k])``."""
+"""``model_type`` -> ``router(logits [T, E], config, router_module=None) -> (weights [T, k], index [T, k])``.
+
+``config`` is the experts' (text) config; the module supplies state beyond it (the score
+correction bias)."""

@@ -17,8 +17,8 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from lightning_sloth.ops.registry import call
 from lightning_sloth.ops.lora import UnreadSum, lora_linear_op
+from lightning_sloth.ops.registry import call
 
 __all__ = ["adapter_casts", "compute_parts", "fused_lora_forward", "plain_parts"]
 
@@ -118,7 +118,8 @@ def compute_parts(module: nn.Module, parts: tuple, x: Tensor):
     if weight is None or not _plain_weight(weight) or weight.requires_grad:
         return None
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    # A model on the meta device (built per shard) is probed structurally; meta has no autocast.
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
     elif x.dtype == weight.dtype:
         dtype = weight.dtype

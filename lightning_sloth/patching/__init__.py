@@ -7,7 +7,8 @@ Typical use (``SlothStrategy(kernels=..., compile=...)`` does this at ``setup``)
     compile_blocks(model, fullgraph=True)                               # each decoder layer
 
 Which module class gets which op is one table, :data:`FAMILIES` (``families.py``); the replacement
-forwards, one per op, are in ``_forwards.py``. Other rooms read what is installed through
+forwards, one per op, are in ``_forwards.py``; the support matrix the docs show is generated from the
+table and the tests (``support.py``). Other rooms read what is installed through
 :func:`patched_op`, and tell the patched decoder layers that their output goes unread (a
 checkpoint's recompute) with :func:`layer_output_unread`.
 """
@@ -17,6 +18,7 @@ from lightning_sloth.patching._forwards import layer_output_unread, patched_op, 
 from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
 from lightning_sloth.patching.experts import ExpertsReport, apply_experts, moe_families
 from lightning_sloth.patching.families import FAMILIES, Family, NormStyle
+from lightning_sloth.patching.support import SupportRow, read_test_sources, support_markdown, support_matrix
 
 __all__ = [
     "FAMILIES",
@@ -26,6 +28,7 @@ __all__ = [
     "KernelSettings",
     "NormStyle",
     "PatchReport",
+    "SupportRow",
     "apply_experts",
     "apply_kernels",
     "compile_blocks",
@@ -33,6 +36,9 @@ __all__ = [
     "layer_output_unread",
     "moe_families",
     "patched_op",
+    "read_test_sources",
+    "support_markdown",
+    "support_matrix",
     "takes_target_count",
     "unpatch",
 ]

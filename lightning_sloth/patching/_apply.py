@@ -13,13 +13,13 @@ from torch import nn
 
 from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
-from lightning_sloth.patching.families import FAMILIES, Family
+from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
 
 log = logging.getLogger(__name__)
 
 __all__ = ["OPS", "KernelSettings", "PatchReport", "apply_kernels", "unpatch"]
 
-OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm")
+OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm", "linear_attention")
 """The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
 
 
@@ -36,6 +36,9 @@ class KernelSettings:
         add_rms_norm: pre-norm decoder layers -> the residual add after attention and the norm
             before the MLP as one ``sloth::add_rms_norm`` (layers of another form keep their own
             forward; the report says which).
+        linear_attention: Gated DeltaNet layers (Qwen3.5, Qwen3-Next) -> the short convolution and
+            the delta rule over the packed row's segments (``lightning_sloth.linear_attention``);
+            without it transformers refuses packed rows in these layers.
     """
 
     rms_norm: bool = True
@@ -44,6 +47,7 @@ class KernelSettings:
     cross_entropy: bool = True
     lora: bool = True
     add_rms_norm: bool = True
+    linear_attention: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,13 +97,14 @@ def _check_names(names: Iterable[Any]) -> None:
 
 @dataclass
 class PatchReport:
-    """What :func:`apply_kernels` left installed, per op.
+    """What :func:`apply_kernels` left installed, per op, and why the others are not.
 
     Attributes:
         model_type: ``config.model_type`` of the model (None if it has no config).
         supported: Whether the family table has a row for it.
         modules: op -> qualified names (relative to the transformers model) of the modules running it.
-        skipped: op -> why it is not installed where the family would take it.
+        skipped: op -> why it is not installed (switched off; the family has no such module, or a
+            form the op does not reproduce; the module is outside the op's case; no table row).
     """
 
     model_type: str | None
@@ -112,12 +117,17 @@ class PatchReport:
         """op -> number of modules running it."""
         return {op: len(names) for op, names in self.modules.items()}
 
+    @property
+    def installed(self) -> tuple[str, ...]:
+        """The ops running in at least one module, in :data:`OPS` order."""
+        return tuple(op for op in OPS if self.modules[op])
+
     def __str__(self) -> str:
         patched = ", ".join(f"{op} x{n}" for op, n in self.counts.items() if n) or "nothing"
         text = f"{self.model_type}: {patched}"
         if self.skipped:
             text += "; not patched: " + "; ".join(f"{op} ({why})" for op, why in self.skipped.items())
-        return text
+        return text.replace("\n", " ")
 
 
 class _Row(NamedTuple):
@@ -140,19 +150,15 @@ def _family_rows(
     rows = []
     if settings.rms_norm:
         rows.append(
-            _Row(
-                "rms_norm",
-                family.classes(family.norms),
-                _every(_forwards.rms_norm_forward(family.norm_style)),
-            )
+            _Row("rms_norm", family.classes(family.norms), _forwards.norm_forward_for(family.norm_style))
         )
     if settings.glu and family.mlps:
         activation = getattr(config, family.activation_attr, None)
-        glu_forward = _forwards.GLU_FORWARDS.get(activation)
+        glu_forward = _forwards.GLU_FORWARDS.get((activation, family.glu_layout))
         if glu_forward is None:
+            computed = sorted({name for name, _ in _forwards.GLU_FORWARDS})
             skipped["glu"] = (
-                f"config.{family.activation_attr}={activation!r}; the fused ops compute "
-                f"{sorted(_forwards.GLU_FORWARDS)}"
+                f"config.{family.activation_attr}={activation!r}; the fused ops compute {computed}"
             )
         else:
             rows.append(_Row("glu", family.classes(family.mlps), _every(glu_forward)))
@@ -161,8 +167,19 @@ def _family_rows(
             _Row(
                 "rope",
                 family.classes(family.attentions),
-                lambda module: _forwards.rope_attention_forward(type(module), family.rope_layout),
+                lambda module: _forwards.rope_attention_forward(
+                    type(module), family.rope_layout, family.rope_form
+                ),
                 "the attention forward does not call apply_rotary_pos_emb by name",
+            )
+        )
+    if settings.linear_attention:
+        rows.append(
+            _Row(
+                "linear_attention",
+                family.classes(family.linear_attentions),
+                lambda module: _forwards.linear_attention_forward(type(module)),
+                "the forward does not call causal_conv1d_fn and torch_chunk_gated_delta_rule by name",
             )
         )
     if settings.add_rms_norm and family.decoder_layers:
@@ -187,6 +204,22 @@ def _family_rows(
     return rows
 
 
+def _explain_missing(report: PatchReport, family: Family | None, model_type: str | None) -> None:
+    """A reason for every op that runs nowhere and has none yet, and the family's other notes."""
+    for op in OPS:
+        if report.modules[op] or op in report.skipped:
+            continue
+        if op == "lora":
+            report.skipped[op] = "no PEFT lora.Linear layer in the model"
+        elif family is None:
+            report.skipped[op] = f"no table row for {model_type!r}"
+        else:
+            column = getattr(family, OP_COLUMNS[op][0])
+            report.skipped[op] = family.why_absent(op) or f"no {'/'.join(column)} module in the model"
+    if family is not None:
+        report.skipped.update((op, why) for op, why in family.absent if op not in OPS)
+
+
 def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> PatchReport:
     """Install the ``sloth::`` ops in a transformers causal LM, in place, per instance.
 
@@ -196,7 +229,8 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
     The call is declarative and idempotent: afterwards exactly the ops ``settings`` switches on are
     installed (an op switched off is removed if an earlier call installed it). An architecture
     without a table row runs unpatched apart from LoRA (which does not depend on the family), with
-    one warning.
+    one warning. The report names every op that runs nowhere with the reason, and is logged as one
+    INFO line.
 
     Call it before ``compile_blocks`` and before wrapping the model (DDP/FSDP). With the fused loss a
     forward given ``labels`` returns ``logits=None``.
@@ -233,7 +267,6 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
             UserWarning,
             stacklevel=2,
         )
-        report.skipped["family"] = f"no table row for {model_type!r}"
     else:
         rows = _family_rows(family, config, settings, report.skipped)
     if settings.lora:
@@ -245,7 +278,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
         row = next((row for row in rows if isinstance(module, row.classes)), None)
         forward = row.forward_for(module) if row is not None else None
         if forward is None:
-            if _forwards.patched_op(module) != "moe_router":  # apply_experts owns the routers
+            if _forwards.patched_op(module) not in ("moe_router", "moe_block"):  # apply_experts owns these
                 _forwards.restore(module)
             if row is not None:
                 report.skipped[row.op] = f"{type(module).__name__}: {row.unavailable}"
@@ -265,6 +298,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
         )
     if foreign:
         report.skipped["foreign"] = f"{foreign} module(s) already had another library's instance forward"
+    _explain_missing(report, family, model_type)
     log.info("lightning_sloth kernels: %s", report)
     return report
 

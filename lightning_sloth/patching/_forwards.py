@@ -6,11 +6,12 @@ the process keep the stock forward, state-dict keys do not change, ``copy.deepco
 method to the copy, and :func:`restore` (``del module.forward``) undoes it. A forward built for a
 family or style comes from a cached factory, so patching twice installs the same function object.
 
-Rotary embedding needs one trick: transformers' attention forwards call the *module-level*
-``apply_rotary_pos_emb`` of their modeling file. Rebinding that global would change every model of
-the family in the process; instead :func:`rope_attention_forward` rebuilds the attention class's own
-forward (same code object) over a copy of its module namespace in which that one name is the
-``sloth::rope`` op, and installs the rebuilt function on the patched instances only.
+Rotary embedding and linear attention need one trick: transformers' forwards call *module-level*
+functions of their modeling file (``apply_rotary_pos_emb``; ``causal_conv1d_fn`` and
+``torch_chunk_gated_delta_rule``). Rebinding those globals would change every model of the family in
+the process; instead :func:`rope_attention_forward` and :func:`linear_attention_forward` rebuild the
+class's own forward (same code object) over a copy of its module namespace in which those names are
+ours (:mod:`._rebuild`), and install the rebuilt function on the patched instances only.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.linear_attention import packed_causal_conv1d, packed_gated_delta_rule
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
 from lightning_sloth.ops.lora_groups import group_output
 from lightning_sloth.ops.lora_layers import fused_lora_forward
 from lightning_sloth.ops.rms_norm import add_rms_norm, rms_norm
 from lightning_sloth.ops.rope import apply_rope
-from lightning_sloth.patching.families import Family, NormStyle, RopeLayout
+from lightning_sloth.patching._rebuild import rebuild_with_globals
+from lightning_sloth.patching.families import Family, GluLayout, NormStyle, RopeForm, RopeLayout
 from lightning_sloth.quant.lora import lora_4bit_forward
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,27 @@ def rms_norm_forward(style: NormStyle) -> Callable:
         return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset)
 
     return forward
+
+
+@functools.cache
+def unit_rms_norm_forward(eps_attr: str) -> Callable:
+    """RMSNorm forward of a norm without a weight (Llama 4's L2 norm, Gemma 4's v norm):
+    ``x_hat`` rounded once to x's dtype, the op with a zero weight and offset 1 (``x_hat * (1 + 0)``,
+    exact in every style)."""
+
+    @_op_forward("rms_norm")
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros(hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
+        return rms_norm(hidden_states, zero, getattr(self, eps_attr), 1.0)
+
+    return forward
+
+
+def norm_forward_for(style: NormStyle) -> Callable[[nn.Module], Callable]:
+    """``forward_for`` of the norms column: the style's forward, or the unit-weight one for a norm
+    without a weight parameter."""
+    weighted, unit = rms_norm_forward(style), unit_rms_norm_forward(style.eps_attr)
+    return lambda module: weighted if isinstance(getattr(module, "weight", None), torch.Tensor) else unit
 
 
 # ------------------------------------------------------------------------------ pre-norm decoder layer
@@ -251,98 +275,155 @@ def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _project_fresh(self.down_proj, geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
+@_op_forward("glu")
+def fused_swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Phi-3's MLP, ``down_proj(silu(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2)``: the
+    halves are views of one fresh output, which the activation's backward overwrites in place."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return _project_fresh(self.down_proj, swiglu(gate, up, inplace_backward=True))
+
+
+@_op_forward("glu")
+def fused_geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """:func:`fused_swiglu_mlp_forward` with ``gelu_tanh``."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return _project_fresh(self.down_proj, geglu(gate, up, inplace_backward=True))
+
+
 _GLU_ACTIVATIONS: dict[Callable, Callable] = {swiglu_mlp_forward: swiglu, geglu_mlp_forward: geglu}
 
-GLU_FORWARDS: dict[str, Callable] = {
-    "silu": swiglu_mlp_forward,
-    "swish": swiglu_mlp_forward,
-    "gelu_pytorch_tanh": geglu_mlp_forward,
+GLU_FORWARDS: dict[tuple[str, GluLayout], Callable] = {
+    ("silu", "split"): swiglu_mlp_forward,
+    ("swish", "split"): swiglu_mlp_forward,
+    ("gelu_pytorch_tanh", "split"): geglu_mlp_forward,
+    ("silu", "fused"): fused_swiglu_mlp_forward,
+    ("swish", "fused"): fused_swiglu_mlp_forward,
+    ("gelu_pytorch_tanh", "fused"): fused_geglu_mlp_forward,
 }
-"""``config.hidden_act`` values whose ``ACT2FN`` activation the fused ops compute exactly."""
+"""``(config.hidden_act, glu_layout)`` -> the MLP forward; the activations are those whose ``ACT2FN``
+function the fused ops compute exactly."""
 
 
 # ------------------------------------------------------------------------------------------- RoPE
-def _rope_function(layout: RopeLayout, original: Callable) -> Callable:
+def _rope_function(layout: RopeLayout, form: RopeForm, original: Callable) -> Callable:
+    def tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layout == "half_table":
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
+
+    if form == "single":
+
+        def apply_single(x, cos, sin, *args, **kwargs):
+            unsqueeze_dim = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+            if unsqueeze_dim != 2 or len(args) + len(kwargs) > 1 or x.dim() != 4:
+                return original(x, cos, sin, *args, **kwargs)
+            heads_first = x.transpose(1, 2)  # [B, T, H, D] -> [B, H, T, D], a view
+            # The op rotates q and k together; one head of x, detached, stands in for k (its
+            # output is dropped and no gradient flows through it), so x is read once.
+            out, _ = apply_rope(heads_first, heads_first[:, :1].detach(), *tables(cos, sin))
+            return out.transpose(1, 2)
+
+        return apply_single
+
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = kwargs.get("unsqueeze_dim", args[0] if args else 1)
         if unsqueeze_dim != 1 or len(args) + len(kwargs) > 1:
             return original(q, k, cos, sin, *args, **kwargs)
-        if layout == "half_table":
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return apply_rope(q, k, cos, sin)
+        return apply_rope(q, k, *tables(cos, sin))
 
     return apply_rotary_pos_emb
 
 
-_ROPE_FORWARDS: dict[tuple[type, str], Callable | None] = {}
+_ROPE_FORWARDS: dict[tuple[type, str, str], Callable | None] = {}
 
 
-def rope_attention_forward(cls: type[nn.Module], layout: RopeLayout) -> Callable | None:
+def rope_attention_forward(
+    cls: type[nn.Module], layout: RopeLayout, form: RopeForm = "qk"
+) -> Callable | None:
     """``cls.forward`` rebuilt so that its ``apply_rotary_pos_emb`` is ``sloth::rope``.
 
     Returns None when the forward is not a plain function that calls ``apply_rotary_pos_emb`` by its
     global name (then there is nothing this patch can safely replace).
     """
-    key = (cls, layout)
+    key = (cls, layout, form)
     if key not in _ROPE_FORWARDS:
-        _ROPE_FORWARDS[key] = _rebuild_with_rope(cls.forward, layout)
+        replace = functools.partial(_rope_function, layout, form)
+        rebuilt = rebuild_with_globals(cls.forward, {"apply_rotary_pos_emb": replace})
+        _ROPE_FORWARDS[key] = None if rebuilt is None else _op_forward("rope")(rebuilt)
     return _ROPE_FORWARDS[key]
 
 
-def _rebuild_with_rope(forward: Any, layout: RopeLayout) -> Callable | None:
-    # Decorators that keep the function in a closure (transformers >= 5.24 wraps attention forwards
-    # in ``deprecate_kwarg``) are rebuilt around the rebuilt function, each over a new cell.
-    wrappers = []
-    while hasattr(forward, "__wrapped__"):
-        wrappers.append(forward)
-        forward = forward.__wrapped__
-    rebuilt = _rebuild_plain_with_rope(forward, layout)
-    for wrapper in reversed(wrappers):
-        if rebuilt is None:
-            return None
-        rebuilt = _rewrap(wrapper, wrapper.__wrapped__, rebuilt)
-    return None if rebuilt is None else _op_forward("rope")(rebuilt)
+# ------------------------------------------------------------------------------ linear attention
+def _packed_conv(original: Callable) -> Callable:
+    """transformers' ``causal_conv1d_fn(x [B, D, T], weight [D, W], bias, activation, **kwargs)``,
+    over the packed row's segments when the call carries ``cu_seq_lens_q``; else the original."""
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        out = packed_causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation, cu_seqlens)
+        return out.transpose(1, 2)
+
+    return causal_conv1d_fn
 
 
-def _rewrap(wrapper: Any, original: Any, replacement: Callable) -> Callable | None:
-    """``wrapper`` rebuilt so that it calls ``replacement`` where it called ``original`` (found in
-    its closure), or None when it holds ``original`` some other way."""
-    cells = getattr(wrapper, "__closure__", None) or ()
-    if not isinstance(wrapper, types.FunctionType) or not any(_holds(c, original) for c in cells):
-        return None
-    closure = tuple(types.CellType(replacement) if _holds(c, original) else c for c in cells)
-    code = wrapper.__code__
-    rebuilt = types.FunctionType(code, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, closure)
-    rebuilt.__kwdefaults__ = wrapper.__kwdefaults__
-    functools.update_wrapper(rebuilt, replacement, updated=())
-    return rebuilt
+def _packed_delta_rule(original: Callable) -> Callable:
+    """transformers' ``torch_chunk_gated_delta_rule(q, k, v, g, beta, ..., cu_seqlens)`` over the packed
+    row's segments when ``cu_seqlens`` is given without a carried state; else the original."""
 
-
-def _holds(cell: types.CellType, value: Any) -> bool:
-    try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
-
-
-def _rebuild_plain_with_rope(forward: Any, layout: RopeLayout) -> Callable | None:
-    code = getattr(forward, "__code__", None)
-    if (
-        not isinstance(forward, types.FunctionType)
-        or "apply_rotary_pos_emb" not in code.co_names
-        or "apply_rotary_pos_emb" not in forward.__globals__
+    def torch_chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        **kwargs,
     ):
-        return None
-    namespace = dict(forward.__globals__)
-    namespace["apply_rotary_pos_emb"] = _rope_function(layout, namespace["apply_rotary_pos_emb"])
-    # Without __name__, Dynamo guards on this dict itself; with it, Dynamo would re-import the
-    # modeling module by name and guard on the stock apply_rotary_pos_emb instead.
-    del namespace["__name__"]
-    rebuilt = types.FunctionType(code, namespace, forward.__name__, forward.__defaults__, forward.__closure__)
-    rebuilt.__kwdefaults__ = forward.__kwdefaults__
-    functools.update_wrapper(rebuilt, forward, updated=())
-    del rebuilt.__wrapped__  # introspection should see the rebuilt function, not the class's
-    return rebuilt
+        if cu_seqlens is None or initial_state is not None or output_final_state:
+            return original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens,
+                **kwargs,
+            )
+        out = packed_gated_delta_rule(
+            query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel
+        )
+        return out, None
+
+    return torch_chunk_gated_delta_rule
+
+
+_LINEAR_FORWARDS: dict[type, Callable | None] = {}
+
+
+def linear_attention_forward(cls: type[nn.Module]) -> Callable | None:
+    """A Gated DeltaNet class's forward rebuilt so that its short convolution and delta rule run over
+    the packed row's segments (:mod:`lightning_sloth.linear_attention`).
+
+    Returns None when the forward does not call ``causal_conv1d_fn`` and
+    ``torch_chunk_gated_delta_rule`` by their global names.
+    """
+    if cls not in _LINEAR_FORWARDS:
+        rebuilt = rebuild_with_globals(
+            cls.forward,
+            {"causal_conv1d_fn": _packed_conv, "torch_chunk_gated_delta_rule": _packed_delta_rule},
+        )
+        _LINEAR_FORWARDS[cls] = None if rebuilt is None else _op_forward("linear_attention")(rebuilt)
+    return _LINEAR_FORWARDS[cls]
 
 
 # ------------------------------------------------------------------------------------------- loss
@@ -424,7 +505,10 @@ def causal_lm_forward(family: Family) -> Callable:
         kwargs.pop("logits_to_keep", None)
         if family.moe and kwargs.get("output_router_logits") is None:
             kwargs["output_router_logits"] = self.config.output_router_logits
-        outputs = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
+        # The decoder under the head: ``base_model_prefix`` names it, except where a text-only head
+        # keeps its multimodal sibling's prefix (Llama 4: "language_model", the module is ``model``).
+        decoder = getattr(self, self.base_model_prefix, None) or self.model
+        outputs = decoder(input_ids=input_ids, **kwargs)
 
         hidden = outputs.last_hidden_state
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
@@ -433,6 +517,9 @@ def causal_lm_forward(family: Family) -> Callable:
         targets = targets.to(hidden.device)
         if num_target_tokens is not None:
             hidden, targets = target_rows(hidden, targets, num_target_tokens, ignore_index)
+        if family.logits_divisor_attr is not None:
+            # logits / s == (hidden / s) @ W^T: the division moves to the [rows, H] side.
+            hidden = hidden / getattr(self.config, family.logits_divisor_attr)
         loss = linear_cross_entropy(
             hidden,
             self.lm_head.weight,

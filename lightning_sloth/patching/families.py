@@ -8,40 +8,62 @@ that every family shares. Adding a family is adding a row.
 ======================  ==========================================================================
 column                  what it decides
 ======================  ==========================================================================
-``norms``               RMSNorm classes (Qwen3's and Gemma 3's per-head q/k norms included) ->
-                        ``rms_norm`` with ``norm_style``.
-``mlps``                gated MLPs with ``gate_proj``/``up_proj``/``down_proj`` -> ``swiglu`` or
-                        ``geglu``, picked from the activation named by ``config.<activation_attr>``.
+``norms``               RMSNorm classes (per-head and whole-projection q/k norms included; a norm
+                        without a weight, e.g. Llama 4's L2 norm or Gemma 4's v norm, is the unit
+                        weight) -> ``rms_norm`` with ``norm_style``.
+``mlps``                gated MLPs -> ``swiglu`` or ``geglu``, picked from the activation named by
+                        ``config.<activation_attr>``; ``glu_layout`` says where gate and up come
+                        from: ``"split"`` (``gate_proj``/``up_proj``/``down_proj``) or ``"fused"``
+                        (Phi-3's ``gate_up_proj``, gate then up, and ``down_proj``).
 ``attentions``          attention classes whose forward calls the module-level
-                        ``apply_rotary_pos_emb`` -> ``apply_rope`` with ``rope_layout``.
+                        ``apply_rotary_pos_emb`` -> ``apply_rope`` with ``rope_layout``, called as
+                        ``rope_form`` says: ``"qk"`` (``(q, k, cos, sin)``, heads before positions)
+                        or ``"single"`` (Gemma 4: ``(x, cos, sin, unsqueeze_dim=2)`` on
+                        ``[B, T, heads, D]``). Partial rotary (``cos`` narrower than the head) and
+                        per-layer head dims need nothing more: the op reads both from its inputs.
+``linear_attentions``   Gated DeltaNet classes (hybrid linear attention) -> their forward with the
+                        short convolution and the delta rule over the packed row's ``cu_seqlens``
+                        (:mod:`lightning_sloth.linear_attention`).
 ``causal_lms``          ``*ForCausalLM`` classes -> ``linear_cross_entropy`` when labels are given
-                        (Gemma 2's ``final_logit_softcapping`` is read from the config).
+                        (``final_logit_softcapping`` is read from the config; the logits are divided
+                        by ``config.<logits_divisor_attr>`` where a row names one, Granite's
+                        ``logits_scaling``).
 ``moe``                 the causal LM adds the router load-balancing loss (``output_router_logits``).
 ``experts``             fused 3-D experts classes -> the "sloth" experts implementation
                         (``lightning_sloth.moe``, selected by ``patching.apply_experts``).
 ``routers``             top-k router classes -> the family's router with logits in float32
                         (``lightning_sloth.moe.routing``, installed by ``apply_experts``).
+``moe_blocks``          MoE blocks that never dispatch their experts through the interface (Llama 4
+                        runs every expert on every token) -> a block forward that routes in float32
+                        and runs the routed rows only (``apply_experts``).
 ``decoder_layers``      pre-norm decoder layers (``input_layernorm`` -> ``self_attn`` -> add ->
                         ``post_attention_layernorm`` -> ``mlp`` -> add) -> ``add_rms_norm`` for the
                         residual add and the norm after attention (Llama-order norms only).
+``absent``              op -> why the family does not take it (said in the patch report).
+``traits``              what sets the family apart, for the support matrix (``support.py``).
 ======================  ==========================================================================
 
-MoE families (qwen3_moe, mixtral, gpt_oss) get the norm, rope and loss parts here; their experts
+MoE families (qwen3_moe, mixtral, gpt_oss, qwen2_moe, qwen3_next, qwen3_5_moe_text, glm4_moe,
+deepseek_v3, llama4_text) get the norm, rope and loss parts here where they apply; their experts
 (transformers' fused 3-D parameters) are switched through transformers' experts interface to
-``lightning_sloth.moe`` (Qwen3-MoE's dense ``mlp_only_layers`` MLPs are plain gated MLPs and are
-listed).
+``lightning_sloth.moe``. Their gated MLP class is listed under ``mlps``: it is the dense layers'
+MLP (Qwen's ``mlp_only_layers``, DeepSeek/GLM's ``first_k_dense_replace`` layers, Llama 4's
+non-MoE layers) and the shared expert (Qwen2-MoE/Qwen3-Next/Qwen3.5-MoE behind their sigmoid
+``shared_expert_gate``, which stays transformers' ``nn.Linear``; DeepSeek/GLM's ``shared_experts``;
+Llama 4's ``shared_expert``), all ``down(act(gate(x)) * up(x))``. The hybrid families
+(qwen3_5_text, qwen3_5_moe_text, qwen3_next) also have linear-attention layers.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Literal
 
 from torch import nn
 
-__all__ = ["FAMILIES", "Family", "NormStyle"]
+__all__ = ["FAMILIES", "OP_COLUMNS", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
 
 
 @dataclass(frozen=True)
@@ -61,13 +83,36 @@ class NormStyle:
 
 
 LLAMA_NORM = NormStyle(offset=0.0, fp32_product=False, eps_attr="variance_epsilon")
+# Gemma 2/3, Qwen3.5, Qwen3-Next: ``x_hat * (1 + weight)`` in fp32, rounded once.
 GEMMA_NORM = NormStyle(offset=1.0, fp32_product=True, eps_attr="eps")
-# GptOssRMSNorm: ``(weight * x_hat).to(dtype)``, the Gemma rounding without the offset.
+# GptOssRMSNorm, Olmo2/3RMSNorm: ``(weight * x_hat).to(dtype)``, the Gemma rounding without the offset.
 GPT_OSS_NORM = NormStyle(offset=0.0, fp32_product=True, eps_attr="variance_epsilon")
+# Llama4TextRMSNorm (and its weightless L2 norm): ``x_hat.type_as(x) * weight``, eps in ``eps``.
+LLAMA4_NORM = NormStyle(offset=0.0, fp32_product=False, eps_attr="eps")
+# Gemma4RMSNorm: ``(x_hat * weight.float()).type_as(x)`` (weights start at 1, no offset).
+GEMMA4_NORM = NormStyle(offset=0.0, fp32_product=True, eps_attr="eps")
 
 RopeLayout = Literal["rotate_half", "half_table"]
 """``rotate_half``: cos/sin span the head dimension (``cat(freqs, freqs)``), transformers' usual form.
 ``half_table``: cos/sin hold the D/2 frequencies once and rotate the two halves (GPT-OSS)."""
+
+RopeForm = Literal["qk", "single"]
+"""How the attention forward calls ``apply_rotary_pos_emb``: ``qk``: ``(q, k, cos, sin)`` on
+``[B, heads, T, D]``; ``single``: ``(x, cos, sin, unsqueeze_dim=2)`` on ``[B, T, heads, D]`` (Gemma 4)."""
+
+GluLayout = Literal["split", "fused"]
+"""``split``: ``gate_proj`` and ``up_proj``; ``fused``: one ``gate_up_proj`` whose output is gate then up."""
+
+
+OP_COLUMNS: dict[str, tuple[str, str]] = {
+    "rms_norm": ("norms", "RMSNorm modules"),
+    "rope": ("attentions", "rotary attention modules"),
+    "glu": ("mlps", "dense gated MLPs"),
+    "linear_attention": ("linear_attentions", "linear-attention layers"),
+    "add_rms_norm": ("decoder_layers", "pre-norm decoder layers"),
+    "cross_entropy": ("causal_lms", "causal LM head"),
+}
+"""op -> (the column naming the classes it applies to, what those are); ``lora`` needs no column."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +130,23 @@ class Family:
     moe: bool = False
     experts: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
+    moe_blocks: tuple[str, ...] = ()
     decoder_layers: tuple[str, ...] = ()
+    glu_layout: GluLayout = "split"
+    rope_form: RopeForm = "qk"
+    linear_attentions: tuple[str, ...] = ()
+    logits_divisor_attr: str | None = None
+    absent: tuple[tuple[str, str], ...] = ()
+    traits: tuple[str, ...] = ()
+
+    def why_absent(self, op: str) -> str | None:
+        """Why the family does not take ``op``: its ``absent`` entry, else (for an op of
+        :data:`OP_COLUMNS` whose column is empty) that the table lists no such module; None when the
+        row takes it."""
+        reason = dict(self.absent).get(op)
+        if reason is None and op in OP_COLUMNS and not getattr(self, OP_COLUMNS[op][0]):
+            reason = f"the table lists no {OP_COLUMNS[op][1]} for this family"
+        return reason
 
     def modeling(self) -> ModuleType:
         """transformers' modeling module of the family."""
@@ -103,6 +164,7 @@ def _dense(
     norm_style: NormStyle = LLAMA_NORM,
     activation: str = "hidden_act",
     pre_norm_layers: bool = False,
+    **columns,
 ) -> Family:
     return Family(
         package=package,
@@ -114,7 +176,64 @@ def _dense(
         rope_layout="rotate_half",
         causal_lms=(f"{prefix}ForCausalLM",),
         decoder_layers=(f"{prefix}DecoderLayer",) if pre_norm_layers else (),
+        **columns,
     )
+
+
+def _moe(
+    prefix: str,
+    package: str,
+    experts: tuple[str, ...],
+    routers: tuple[str, ...] = (),
+    moe_blocks: tuple[str, ...] = (),
+    load_balancing: bool = False,
+    causal_lms: tuple[str, ...] | None = None,
+) -> Family:
+    return Family(
+        package=package,
+        norms=(),
+        norm_style=LLAMA_NORM,
+        mlps=(f"{prefix}MLP",),
+        activation_attr="hidden_act",
+        attentions=(),
+        rope_layout="rotate_half",
+        causal_lms=(f"{prefix}ForCausalLM",) if causal_lms is None else causal_lms,
+        moe=load_balancing,
+        experts=experts,
+        routers=routers,
+        moe_blocks=moe_blocks,
+    )
+
+
+_POST_NORM = ("add_rms_norm", "post-norm decoder layers (the norm follows attention and the MLP)")
+_SANDWICH = ("add_rms_norm", "sandwich decoder layers (a norm before and after attention and the MLP)")
+_OFFSET_NORMS = (
+    "add_rms_norm",
+    "its decoder norms are (1 + weight) norms; add_rms_norm fuses Llama-order norms",
+)
+_GATED_NORM = (
+    "rms_norm_gated",
+    "the gated RMSNorm after the delta rule (norm * silu(z)) runs transformers' forward",
+)
+
+
+def _hybrid(prefix: str, package: str, moe: bool, *traits: str) -> Family:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet and gated full attention, 3:1."""
+    return Family(
+        package=package,
+        norms=(f"{prefix}RMSNorm",),
+        norm_style=GEMMA_NORM,
+        mlps=(f"{prefix}MLP",),
+        activation_attr="hidden_act",
+        attentions=(f"{prefix}Attention",),
+        rope_layout="rotate_half",
+        causal_lms=(f"{prefix}ForCausalLM",),
+        moe=moe,
+        linear_attentions=(f"{prefix}GatedDeltaNet",),
+        absent=(_OFFSET_NORMS, _GATED_NORM),
+        traits=("hybrid linear attention (Gated DeltaNet 3:1)", "partial rotary", "per-head QK-norm",
+                "gated attention output", *traits),
+    )  # fmt: skip
 
 
 FAMILIES: dict[str, Family] = {
@@ -122,8 +241,8 @@ FAMILIES: dict[str, Family] = {
     "mistral": _dense("Mistral", "mistral", pre_norm_layers=True),
     "qwen2": _dense("Qwen2", "qwen2", pre_norm_layers=True),
     "qwen3": _dense("Qwen3", "qwen3", pre_norm_layers=True),
-    "gemma2": _dense("Gemma2", "gemma2", GEMMA_NORM, "hidden_activation"),
-    "gemma3_text": _dense("Gemma3", "gemma3", GEMMA_NORM, "hidden_activation"),
+    "gemma2": _dense("Gemma2", "gemma2", GEMMA_NORM, "hidden_activation", absent=(_SANDWICH,)),
+    "gemma3_text": _dense("Gemma3", "gemma3", GEMMA_NORM, "hidden_activation", absent=(_SANDWICH,)),
     "qwen3_moe": Family(
         package="qwen3_moe",
         norms=("Qwen3MoeRMSNorm",),
@@ -162,6 +281,96 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         experts=("GptOssExperts",),
         routers=("GptOssTopKRouter",),
+    ),
+    # ------------------------------------------------------------------ dense families of 2025-26
+    "phi3": _dense(
+        "Phi3",
+        "phi3",
+        glu_layout="fused",
+        absent=(("add_rms_norm", "the decoder layer runs residual dropouts (resid_pdrop) around each add"),),
+        traits=("fused qkv_proj", "fused gate_up_proj", "partial rotary", "LongRoPE scaling"),
+    ),
+    "smollm3": _dense("SmolLM3", "smollm3", pre_norm_layers=True, traits=("NoPE layers",)),
+    "olmo2": _dense(
+        "Olmo2", "olmo2", GPT_OSS_NORM, absent=(_POST_NORM,), traits=("QK-norm over all heads", "post-norm")
+    ),
+    "olmo3": _dense(
+        "Olmo3",
+        "olmo3",
+        GPT_OSS_NORM,
+        absent=(_POST_NORM,),
+        traits=("QK-norm over all heads", "post-norm", "sliding window"),
+    ),
+    "granite": _dense(
+        "Granite",
+        "granite",
+        logits_divisor_attr="logits_scaling",
+        absent=(("add_rms_norm", "the decoder layer scales each branch by residual_multiplier"),),
+        traits=("embedding, residual, attention and logit multipliers",),
+    ),
+    "ministral3": _dense(
+        "Ministral3", "ministral3", pre_norm_layers=True, traits=("Llama-4 query scaling", "YaRN")
+    ),
+    "llama4_text": Family(
+        package="llama4",
+        norms=("Llama4TextRMSNorm", "Llama4TextL2Norm"),
+        norm_style=LLAMA4_NORM,
+        mlps=("Llama4TextMLP",),
+        activation_attr="hidden_act",
+        attentions=(),
+        rope_layout="rotate_half",
+        causal_lms=("Llama4ForCausalLM",),
+        experts=("Llama4TextExperts",),
+        moe_blocks=("Llama4TextMoe",),
+        absent=(
+            ("rope", "interleaved complex rotary (apply_rotary_emb); sloth::rope computes rotate-half"),
+            ("add_rms_norm", "the decoder layer's MLP is feed_forward (a MoE block in MoE layers)"),
+        ),
+        traits=("weightless QK L2 norm", "NoPE layers", "chunked attention", "interleaved MoE layers"),
+    ),
+    "gemma4_text": Family(
+        package="gemma4",
+        norms=("Gemma4RMSNorm",),
+        norm_style=GEMMA4_NORM,
+        mlps=("Gemma4TextMLP",),
+        activation_attr="hidden_activation",
+        attentions=("Gemma4TextAttention",),
+        rope_layout="rotate_half",
+        rope_form="single",
+        causal_lms=("Gemma4ForCausalLM",),
+        absent=(_SANDWICH,),
+        traits=(
+            "per-layer head dims",
+            "QK-norm and weightless V-norm",
+            "proportional partial rotary",
+            "final logit soft-capping",
+            "sliding window",
+            "K = V global layers",
+        ),
+    ),  # fmt: skip
+    "qwen3_5_text": _hybrid("Qwen3_5", "qwen3_5", False),
+    "qwen3_5_moe_text": replace(
+        _hybrid("Qwen3_5Moe", "qwen3_5_moe", True, "MoE with a gated shared expert"),
+        experts=("Qwen3_5MoeExperts",),
+        routers=("Qwen3_5MoeTopKRouter",),
+    ),
+    "qwen3_next": replace(
+        _hybrid("Qwen3Next", "qwen3_next", True, "MoE with a gated shared expert"),
+        experts=("Qwen3NextExperts",),
+        routers=("Qwen3NextTopKRouter",),
+    ),
+    # MoE rows whose attention and norms run transformers' modules: the MoE columns (moe, experts,
+    # routers, moe_blocks) and the gated MLPs (shared experts and dense layers).
+    "qwen2_moe": _moe(
+        "Qwen2Moe",
+        "qwen2_moe",
+        load_balancing=True,
+        experts=("Qwen2MoeExperts",),
+        routers=("Qwen2MoeTopKRouter",),
+    ),
+    "glm4_moe": _moe("Glm4Moe", "glm4_moe", experts=("Glm4MoeExperts",), routers=("Glm4MoeTopkRouter",)),
+    "deepseek_v3": _moe(
+        "DeepseekV3", "deepseek_v3", experts=("DeepseekV3Experts",), routers=("DeepseekV3TopkRouter",)
     ),
 }
 """``config.model_type`` -> :class:`Family`."""

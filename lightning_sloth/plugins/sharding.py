@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sloth.hf_model import find_decoder_layers
-from lightning_sloth.quant import quantize_model
+from lightning_sloth.moe.quant import EXPERT_WEIGHTS, expert_storage
+from lightning_sloth.quant import Linear4bit, quantize_model
 
 
 class ShardingError(ValueError):
@@ -67,7 +68,11 @@ def convert_before_sharding(precision_plugin, module: nn.Module, device: torch.d
     forward (a unit mixing dtypes is all-gathered as bytes), never cast by the mixed-precision
     policy (it only casts floating-point parameters) and never reduced (frozen). Their block
     scales and code books are buffers, which FSDP2 keeps whole on every rank (about an eighth of
-    the codes' size for NF4). ``*-true`` modes then cast the floating-point weights.
+    the codes' size for NF4) until :func:`shard_4bit_scales` makes them frozen parameters too.
+    ``*-true`` modes then cast the floating-point weights.
+
+    A model on the meta device is quantised on the meta device (``device`` is ignored): the 4-bit
+    layers are skeletons whose shards each rank makes later (:mod:`~lightning_sloth.plugins.shard_init`).
 
     Lightning's ``ModelParallelStrategy.setup`` calls ``convert_module`` again on the sharded
     model; both steps are idempotent (layers already in 4 bits are left as they are).
@@ -78,10 +83,37 @@ def convert_before_sharding(precision_plugin, module: nn.Module, device: torch.d
     quantize = getattr(precision_plugin, "quantize", None)
     quantized = 0
     if quantize is not None:
+        if any(p.is_meta for p in module.parameters()):
+            device = None  # skeletons on the meta device
         quantized = len(quantize_model(module, quantize, precision_plugin.quantize_skip, device=device))
     if quantize is not None or precision_plugin.precision.endswith("-true"):
         precision_plugin.convert_module(module)
     return quantized
+
+
+def shard_4bit_scales(model: nn.Module) -> int:
+    """Turn the block scales of every 4-bit weight into frozen parameters, so ``fully_shard`` shards
+    them beside the packed codes; in place, idempotent.
+
+    The scales (``absmax``: float32 bits as ``int32``, or ``uint8`` codes for ``nf4-dq``) are an
+    eighth of the codes' bytes for NF4; as buffers every rank would hold the whole model's. As
+    frozen integer parameters they are sharded on dim 0, all-gathered bit for bit with their
+    unit, never cast and never reduced, like the codes. The state-dict keys do not change. The
+    code books and ``nf4-dq``'s second-level scales (1/256 of the scales) stay buffers.
+
+    Returns:
+        The number of scale tensors made parameters now.
+    """
+    moved = 0
+    for module in model.modules():
+        names = ["absmax"] if isinstance(module, Linear4bit) else []
+        names += [f"{w}_absmax" for w in EXPERT_WEIGHTS if expert_storage(module, w) is not None]
+        for name in names:
+            if name in module._buffers:
+                scales = module._buffers.pop(name)
+                module.register_parameter(name, nn.Parameter(scales, requires_grad=False))
+                moved += 1
+    return moved
 
 
 def shardable_layers(model: nn.Module) -> nn.ModuleList:
@@ -171,6 +203,53 @@ def auto_layers_per_unit(layers: nn.ModuleList) -> int:
     return max(1, AUTO_UNIT_PARAMETERS // max(largest, 1))
 
 
+REPLICATE_FROZEN_SHARE = 0.25
+"""``shard_frozen="auto"`` keeps the frozen weights whole on every GPU when they take at most this
+share of its memory."""
+
+
+def frozen_to_replicate(
+    hf_model: nn.Module, device: torch.device, shard_frozen: bool | str
+) -> set[nn.Parameter]:
+    """The frozen parameters of ``hf_model`` that every rank keeps whole instead of sharding.
+
+    A LoRA (or QLoRA) base is frozen: it needs no gradient reduction and no optimizer state, only
+    its all-gathers, once per layer in the forward and again in the backward. Where the whole base
+    fits a GPU beside the step, replicating it leaves FSDP2 only the adapters to gather and reduce
+    (little more communication than DDP), and the layers run on plain tensors.
+
+    Args:
+        hf_model: the transformers model (inside PEFT's wrapper when LoRA is on).
+        device: the rank's device.
+        shard_frozen: ``True``: shard everything (none replicated). ``False``: replicate every
+            frozen parameter. ``"auto"``: replicate them on a CUDA device when they take at most
+            :data:`REPLICATE_FROZEN_SHARE` of its memory, else shard them (a meta-device model,
+            built shard by shard, always shards).
+
+    Raises:
+        ShardingError: an unknown ``shard_frozen``, or ``False`` for a model on the meta device.
+    """
+    if shard_frozen not in (True, False, "auto"):
+        raise ShardingError(f"shard_frozen takes True, False or 'auto', got {shard_frozen!r}")
+    frozen = [p for p in hf_model.parameters() if not p.requires_grad]
+    if shard_frozen is True or not frozen:
+        return set()
+    meta = any(p.is_meta for p in frozen)
+    if shard_frozen is False:
+        if meta:
+            raise ShardingError(
+                "shard_frozen=False keeps the frozen weights whole on every rank, but the model is on the "
+                "meta device (built shard by shard): use shard_frozen=True or 'auto'"
+            )
+        return set(frozen)
+    if meta or device.type != "cuda":
+        return set()
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    if frozen_bytes > REPLICATE_FROZEN_SHARE * torch.cuda.get_device_properties(device).total_memory:
+        return set()
+    return set(frozen)
+
+
 def shard_model(
     lightning_module: nn.Module,
     hf_model: nn.Module,
@@ -180,6 +259,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     layers_per_unit: int | None = None,
+    replicate: set[nn.Parameter] = frozenset(),
 ) -> tuple[int, int]:
     """``fully_shard`` the decoder layers of ``hf_model`` (one unit per ``layers_per_unit``
     consecutive layers), then ``hf_model`` itself; in place.
@@ -197,6 +277,8 @@ def shard_model(
             list): gathered, resharded and reduced together, with one set of FSDP2 hooks. Fewer,
             larger collectives and less host time per step, for more gathered weights at once.
             ``None``: :func:`auto_layers_per_unit`.
+        replicate: parameters every rank keeps whole (FSDP2's ``ignored_params``; see
+            :func:`frozen_to_replicate`): frozen only, placed on the device by the strategy.
 
     Returns:
         The number of decoder layers sharded, and the layers per unit.
@@ -222,6 +304,7 @@ def shard_model(
         )
     if any(not (p.is_floating_point() or p.is_complex()) for p in hf_model.parameters()):
         allow_integer_parameters_in_fsdp2()  # packed 4-bit codes
+        shard_4bit_scales(hf_model)
     layers = shardable_layers(hf_model)
     per_unit = min(check_layers_per_unit(layers_per_unit) or auto_layers_per_unit(layers), len(layers))
     kwargs: dict[str, Any] = dict(
@@ -229,12 +312,24 @@ def shard_model(
         mp_policy=policy,
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
+    if any(p.requires_grad for p in replicate):
+        raise ShardingError("only frozen parameters can be replicated instead of sharded")
+
+    def ignored(modules: list[nn.Module]) -> set[nn.Parameter] | None:
+        kept = {p for m in modules for p in m.parameters() if p in replicate}
+        return kept or None
+
     for start in range(0, len(layers), per_unit):
         unit = list(layers[start : start + per_unit])
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(
+            unit if len(unit) > 1 else unit[0],
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored(unit),
+            **kwargs,
+        )
     # The root's weights (embedding, final norm, lm_head) are needed again at once by the
     # backward: never reshard them after the forward.
-    fully_shard(hf_model, reshard_after_forward=False, **kwargs)
+    fully_shard(hf_model, reshard_after_forward=False, ignored_params=ignored([hf_model]), **kwargs)
     return len(layers), per_unit
 
 

@@ -27,10 +27,12 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.plugins.shard_init import materialize_shards, weight_source
 from lightning_sloth.plugins.sharding import (
     ShardingError,
     check_layers_per_unit,
     convert_before_sharding,
+    frozen_to_replicate,
     full_state_dict,
     mixed_precision_policy,
     shard_model,
@@ -232,6 +234,21 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             step for more gathered weights at a time. ``None`` (the default): as many layers as
             hold 250M parameters (:func:`~lightning_sloth.plugins.sharding.auto_layers_per_unit`:
             four of a Llama-3.2-1B, one of an 8B), one per unit under ``checkpoint_impl="node"``.
+        meta_weights: where a model built on the meta device gets its weights: ``"random"``
+            (seeded, the same values for any number of ranks), a local safetensors checkpoint
+            directory, or a :class:`~lightning_sloth.quant.loading.RandomWeights` /
+            :class:`~lightning_sloth.quant.loading.CheckpointWeights`. After ``fully_shard`` each
+            rank allocates and fills only its own shards (a 4-bit weight's codes and scales are
+            quantised from just the elements they cover): no rank ever holds the whole model
+            (:mod:`~lightning_sloth.plugins.shard_init`). Build the model with
+            ``torch.device("meta")`` (or in ``configure_model`` under it). ``None``: the model must
+            be real; a meta model is refused.
+        shard_frozen: shard the frozen weights too (``True``), keep them whole on every rank
+            (``False``), or ``"auto"`` (the default): whole where the frozen weights take at most a
+            quarter of a GPU's memory, sharded otherwise
+            (:func:`~lightning_sloth.plugins.sharding.frozen_to_replicate`). A LoRA base kept whole
+            leaves FSDP2 only the adapters to gather and reduce; a base that does not fit (a 70B in
+            NF4 on 80 GB cards) or a model built shard by shard is sharded.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
         checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
             forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
@@ -246,7 +263,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
     Raises:
         ShardingError: fewer than two processes, a model without a decoder-layer stack, a model
             already sharded, trainable parameters outside the transformers model, ``16-mixed``,
-            or no process group.
+            no process group, or a meta-device model without ``meta_weights``.
     """
 
     strategy_name = "sloth_fsdp"
@@ -261,9 +278,16 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         layers_per_unit: int | None = None,
+        meta_weights: Any = None,
+        shard_frozen: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if shard_frozen not in (True, False, "auto"):
+            raise ShardingError(f"shard_frozen takes True, False or 'auto', got {shard_frozen!r}")
+        self.shard_frozen = shard_frozen
+        self.meta_weights = meta_weights
+        self.shard_stats = None
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
@@ -301,6 +325,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         policy = mixed_precision_policy(self.precision_plugin.precision)
         hf_model = find_hf_model(self.lightning_module)
         shardable_layers(hf_model)  # refuse before transforming anything
+        meta = any(p.is_meta for p in hf_model.parameters())
+        if meta and self.meta_weights is None:
+            raise ShardingError(
+                "the model is on the meta device: give SlothFSDPStrategy(meta_weights='random' or a "
+                "checkpoint directory) so each rank can fill its own shards"
+            )
+        source = weight_source(self.meta_weights, hf_model) if meta else None
         report = super().apply_transformations()
         if report.checkpointing is not None:
             # The embedding's weight is sharded from here on: its output stays saved, not looked up
@@ -309,6 +340,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         quantized = convert_before_sharding(self.precision_plugin, self.lightning_module, self.root_device)
         if quantized:
             report.applied.append(f"4-bit base weights ({quantized} tensors, sharded)")
+        replicate = frozen_to_replicate(hf_model, self.root_device, self.shard_frozen)
         layers, per_unit = shard_model(
             self.lightning_module,
             hf_model,
@@ -317,9 +349,15 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
             layers_per_unit=self.layers_per_unit,
+            replicate=replicate,
         )
         grouped = f", {per_unit} per unit" if per_unit > 1 else ""
-        report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root)")
+        whole = f"; {len(replicate)} frozen tensors kept whole on every rank" if replicate else ""
+        report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root{whole})")
+        if source is not None:
+            device = torch.device("cpu") if self.cpu_offload else self.root_device
+            self.shard_stats = materialize_shards(hf_model, source, device)
+            report.applied.append(f"shards made per rank ({type(source).__name__})")
         return report
 
     @classmethod

@@ -242,7 +242,8 @@ def quantize_model(
 
     Raises:
         NotImplementedError: for 3-D expert weights of a MoE family or layout the "sloth" experts
-            do not handle (qwen3_moe, mixtral and gpt_oss are stored in 4 bits).
+            do not store in 4 bits (every family of ``lightning_sloth.moe.layouts.LAYOUTS`` but
+            Llama 4 is).
         ValueError: if nothing could be quantised (and nothing was in 4 bits already).
     """
     check_quant_type(quant_type)

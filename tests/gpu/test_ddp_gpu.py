@@ -1,7 +1,7 @@
-"""Activation offload under DDP on two GPUs (NCCL), directly and through SlothDDPStrategy.
+"""Activation offload under DDP on every visible GPU (NCCL), directly and through SlothDDPStrategy.
 
 Needs two CUDA devices (skipped otherwise): ``pytest -m gpu tests/gpu/test_ddp_gpu.py`` on a
-multi-GPU machine.
+multi-GPU machine; the world size is the number of visible GPUs (``SLOTH_TEST_GPUS=N`` for fewer).
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ import _ddp
 import pytest
 import torch
 
+WORLD = _ddp.gpu_world()
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    pytest.mark.skipif(WORLD < 2, reason="needs two CUDA GPUs"),
 ]
 
 
 def test_ddp_training_is_bitwise_identical_with_offload():
-    """Three NCCL DDP steps on two GPUs: the same weights on both ranks, with and without offload."""
-    _ddp.assert_offload_changes_nothing(_ddp.run("cuda"))
+    """Three NCCL DDP steps on every GPU: the same weights on all ranks, with and without offload."""
+    results = _ddp.run("cuda", WORLD)
+    assert {rank for _, rank in results} == set(range(WORLD))
+    _ddp.assert_offload_changes_nothing(results)
 
 
 def _lightning_fit(offload: str, tmp_path) -> tuple[dict, dict]:
@@ -37,7 +41,7 @@ def _lightning_fit(offload: str, tmp_path) -> tuple[dict, dict]:
     module = CausalLMModule(_ddp.llama(512, 3, len(tokenizer), "sdpa"), lora=LoraSettings(r=8))
     trainer = Trainer(
         accelerator="gpu",
-        devices=_ddp.WORLD,
+        devices=WORLD,
         strategy=SlothDDPStrategy(start_method="spawn", offload=offload),
         plugins=[SlothPrecision("32-true")],
         callbacks=[OffloadStatsCallback()],
@@ -57,7 +61,7 @@ def _lightning_fit(offload: str, tmp_path) -> tuple[dict, dict]:
 
 
 def test_sloth_ddp_strategy_trains_with_offload(tmp_path):
-    """SlothDDPStrategy(offload="on") on two GPUs: offloads, and ends where offload="off" ends."""
+    """SlothDDPStrategy(offload="on") on every GPU: offloads, and ends where offload="off" ends."""
     plain, plain_metrics = _lightning_fit("off", tmp_path)
     offloaded, metrics = _lightning_fit("on", tmp_path)
     assert metrics["offload/offloaded_bytes_per_step"] > 0

@@ -1,7 +1,9 @@
-"""SlothFSDPStrategy on two GPUs (NCCL): bf16 parity with the Triton kernels, offload, the spawn
-launcher with adapter export, and the app's ``trainer=fsdp``.
+"""SlothFSDPStrategy on every visible GPU (NCCL): bf16 parity with the Triton kernels (a meta-device
+MoE in NF4 made shard by shard included), offload, the spawn launcher with adapter export, and the
+app's ``trainer=fsdp``.
 
-Needs two CUDA devices (skipped otherwise): ``pytest -m gpu tests/gpu/test_fsdp_gpu.py``.
+Needs two CUDA devices (skipped otherwise): ``pytest -m gpu tests/gpu/test_fsdp_gpu.py``; the world
+size is the number of visible GPUs (``SLOTH_TEST_GPUS=N`` for fewer).
 """
 
 from __future__ import annotations
@@ -12,19 +14,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _ddp
 import _fsdp
 import pytest
 import torch
 
+WORLD = _ddp.gpu_world()
+RANKS = range(WORLD)
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    pytest.mark.skipif(WORLD < 2, reason="needs two CUDA GPUs"),
 ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _fsdp.run(_fsdp.gpu_parity_and_offload, tmp_path_factory.mktemp("fsdp_gpu"))
+    return _fsdp.run(_fsdp.gpu_parity_and_offload, tmp_path_factory.mktemp("fsdp_gpu"), world=WORLD)
 
 
 def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -33,35 +39,42 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(
     "case,family,lora,quantize",
-    [(True, "llama", True, None), (False, "llama", False, None), ("moe_nf4", "qwen3_moe", True, "nf4")],
+    [
+        (True, "llama", True, None),
+        (False, "llama", False, None),
+        ("moe_nf4", "qwen3_moe", True, "nf4"),
+        ("meta_moe_nf4", "qwen3_moe", True, "nf4"),
+    ],
 )
 def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, case, family, lora, quantize):
     """FSDP2 in bf16 (kernels on) vs float32 on one GPU; its error is that of one-GPU bf16, with
     float32 weights under autocast or, as FSDP2's ``param_dtype`` keeps them, with bf16 weights
-    (bf16 activations between ops: MoE routing near ties can send a token to another expert)."""
-    record, other = runs[0][case], runs[1][case]
+    (bf16 activations between ops: MoE routing near ties can send a token to another expert).
+    ``meta_moe_nf4``: built on the meta device, each rank quantising its own shards from a checkpoint
+    (the reference checks its gathered codes equal quantising the whole model)."""
+    records = [runs[rank][case] for rank in RANKS]
+    record = records[0]
     assert "kernels" in record["report"] and any("fully_shard" in a for a in record["report"])
-    step0, step1 = record["steps"][0], other["steps"][0]
+    assert (case == "meta_moe_nf4") == ("shards made per rank (CheckpointWeights)" in record["report"])
+    steps = [r["steps"][0] for r in records]
     settings = dict(device="cuda", hidden=256, quantize=quantize)
-    loss, grads, _ = _fsdp.reference_step(family, lora, step0, step1, **settings)
-    bf16_loss, bf16_grads, _ = _fsdp.reference_step(
-        family, lora, step0, step1, bf16_autocast=True, **settings
-    )
+    loss, grads, _ = _fsdp.reference_step(family, lora, *steps, **settings)
+    bf16_loss, bf16_grads, _ = _fsdp.reference_step(family, lora, *steps, bf16_autocast=True, **settings)
     _, bf16_weight_grads, _ = _fsdp.reference_step(
-        family, lora, step0, step1, bf16_autocast=True, bf16_weights=True, **settings
+        family, lora, *steps, bf16_autocast=True, bf16_weights=True, **settings
     )
-    sharded_loss = _fsdp.global_loss(record, other, 0)
+    sharded_loss = _fsdp.global_loss(*records, step=0)
     assert sharded_loss == pytest.approx(float(loss), rel=1e-2)
     worst = {}
     for name, grad in grads.items():
-        error = _relative_error(step0["grads"][name], grad)
+        error = _relative_error(steps[0]["grads"][name], grad)
         one_gpu = _relative_error(bf16_grads[name], grad)
         one_gpu_bf16_weights = _relative_error(bf16_weight_grads[name], grad)
         worst[name] = (error, one_gpu, one_gpu_bf16_weights)
         assert error <= max(2 * one_gpu, 2 * one_gpu_bf16_weights, 1e-2), (name, worst[name])
     name = max(worst, key=lambda n: worst[n][0])
     print(
-        f"{family} lora={lora} quantize={quantize}: loss fsdp {sharded_loss:.6f} / fp32 {float(loss):.6f} / bf16 1-GPU "
+        f"{case} {family} lora={lora} quantize={quantize} world={WORLD}: loss fsdp {sharded_loss:.6f} / fp32 {float(loss):.6f} / bf16 1-GPU "
         f"{float(bf16_loss):.6f}; worst gradient {name}: relative error {worst[name][0]:.2e} "
         f"(one-GPU bf16: {worst[name][1]:.2e}, with bf16 weights {worst[name][2]:.2e})"
     )
@@ -74,7 +87,7 @@ def test_triton_ops_see_local_tensors(runs):
 
 
 def test_offload_under_fsdp_offloads_and_changes_nothing(runs):
-    for rank in (0, 1):
+    for rank in RANKS:
         stats = runs[rank]["on"]["stats"]
         assert stats["offloaded_bytes_per_step"] > 0, (rank, stats)
         assert stats["fetched_on_demand"] + stats["prefetched"] > 0
@@ -110,7 +123,7 @@ def test_spawn_launcher_returns_gathered_weights_and_exports_the_adapter(tmp_pat
     )
     trainer = Trainer(
         accelerator="gpu",
-        devices=2,
+        devices=WORLD,
         strategy=SlothFSDPStrategy(start_method="spawn", kernels=True),
         plugins=[SlothPrecision("bf16-mixed")],
         callbacks=[SaveAdapter(tmp_path / "adapter")],
@@ -137,6 +150,7 @@ def test_spawn_launcher_returns_gathered_weights_and_exports_the_adapter(tmp_pat
 
 QUICK = [
     "trainer=fsdp",
+    f"trainer.devices={WORLD}",
     "trainer.max_steps=6",
     "trainer.val_check_interval=3",
     "trainer.limit_val_batches=2",

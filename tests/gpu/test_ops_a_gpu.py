@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sloth.ops.registry import TRITON_OPS, use_triton
 from lightning_sloth.ops.glu import _geglu, _swiglu, geglu, swiglu
+from lightning_sloth.ops.registry import TRITON_OPS, use_triton
 from lightning_sloth.ops.rms_norm import _rms_norm, _rms_norm_backward, rms_norm
 from lightning_sloth.ops.rope import _rope, _rope_backward, apply_rope
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_sloth.ops.registry import TRITON_OPS
 from lightning_sloth.ops.linear_cross_entropy import _cross_entropy_rows_reference_, linear_cross_entropy
 from lightning_sloth.ops.lora import lora_linear
+from lightning_sloth.ops.registry import TRITON_OPS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

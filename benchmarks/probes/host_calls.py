@@ -5,7 +5,7 @@ Python and dispatcher cost of every op call, per layer, in the forward and again
 This measures that cost in isolation, on whatever device is given (the CPU works: the figures are
 the host's), as the best of several blocks of calls::
 
-    python benchmarks/host_calls.py --device cpu --out host_calls.json
+    python benchmarks/probes/host_calls.py --device cpu --out host_calls.json
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def step_host_ms(device: torch.device, sync, blocks: int, checkpoint_impl: str =
 def main(argv: list[str] | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from lightning_sloth.ops.registry import call
     from lightning_sloth.ops.lora import lora_linear_op
     from lightning_sloth.ops.lora_layers import fused_lora_forward
+    from lightning_sloth.ops.registry import call
     from lightning_sloth.ops.rms_norm import rms_norm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -6,7 +6,7 @@ prints the functions with the most own time, the number of device synchronizatio
 triggers (``torch.cuda.set_sync_debug_mode("warn")``) and the host time per step without the
 profiler::
 
-    python benchmarks/host_profile.py --system sloth_kernels_offload --out host.json
+    python benchmarks/probes/host_profile.py --system sloth_kernels_offload --out host.json
 """
 
 from __future__ import annotations

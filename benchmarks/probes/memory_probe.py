@@ -5,8 +5,8 @@ steps, records the CUDA caching allocator's history during the last one
 (``torch.cuda.memory._record_memory_history``), replays the allocations and frees to find the moment
 of the highest allocated total, and groups what is alive then by the code that allocated it::
 
-    python benchmarks/memory_probe.py --system sloth_kernels_offload --out mem.json
-    python benchmarks/memory_probe.py --system sloth_kernels --snapshot step.pickle --out mem.json
+    python benchmarks/probes/memory_probe.py --system sloth_kernels_offload --out mem.json
+    python benchmarks/probes/memory_probe.py --system sloth_kernels --snapshot step.pickle --out mem.json
 
 ``--snapshot`` also writes the raw snapshot, which https://pytorch.org/memory_viz displays.
 Memory allocated before the recorded step (weights, optimizer state, pinned-pool bookkeeping) is

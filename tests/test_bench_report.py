@@ -1,0 +1,167 @@
+"""The generated blocks of README.md and docs/*.md: the headline and families kinds, and the report
+over several markdown files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_sloth.bench import headline as bench_headline
+from lightning_sloth.bench import report as bench_report
+from lightning_sloth.bench import tables as bench_tables
+from lightning_sloth.patching.families import FAMILIES, LLAMA_NORM, Family
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _family(**changes) -> Family:
+    row = dict(
+        package="x",
+        norms=("XRMSNorm",),
+        norm_style=LLAMA_NORM,
+        mlps=("XMLP",),
+        activation_attr="hidden_act",
+        attentions=("XAttention",),
+        rope_layout="rotate_half",
+        causal_lms=("XForCausalLM",),
+    )
+    return Family(**(row | changes))
+
+
+def test_families_block_renders_every_row_of_the_real_table():
+    text = bench_report.update_readme(
+        "<!-- bench:families kind=families -->\n<!-- /bench:families -->\n", RESULTS, ROOT
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| `")][1:]  # under the header
+    assert [row.split("`")[1] for row in rows] == list(FAMILIES)
+    for row in rows:  # every family is exercised by at least one CPU test file
+        assert row.rstrip(" |").split(" | ")[-1].startswith("CPU"), row
+    assert "lightning_sloth/patching/families.py" in text
+
+
+def _suite(name: str, title: str, records: list[dict], commit: str = "abc1234") -> dict:
+    work = dict(tokens_per_step=16, lora_r=4, warmup_steps=1, timed_steps=2)
+    env = {"device": "GPU X", "git_commit": commit, "torch": "2.x"}
+    return {
+        "environment": env,
+        "scenario": {"name": name, "title": title},
+        "workload": work,
+        "results": records,
+    }
+
+
+def _rec(system: str, tps: float, gib: float = 1.0, **more) -> dict:
+    return {"system": system, "tokens_per_s_median": tps, "peak_allocated_gib": gib, "status": "ok"} | more
+
+
+HEADLINE = {
+    "columns": "hf_packed_varlen|hf_bnb_packed,sloth_kernels|sloth_nf4,sloth_kernels_offload",
+    "ratio": "sloth_kernels/hf_packed_varlen",
+}
+
+
+def _headline_reports() -> list[dict]:
+    dense_old = _suite(
+        "dense", "Dense shape", [_rec("hf_packed_varlen", 100.0, 9.0), _rec("sloth_kernels", 150.0)]
+    )
+    dense_new = _suite("dense", "Dense shape", [_rec("sloth_kernels", 250.0, 2.0)], commit="def5678")
+    failed = _rec("sloth_kernels_offload", 1e9, status="failed", reason="loss not finite")
+    qlora = {
+        "environment": {"device": "GPU X"},
+        "git_commit": "0a1b2c3",
+        "shape": "llama_3_1_8b",
+        "results": [_rec("hf_bnb_packed", 10.0, 40.0), _rec("sloth_nf4", 30.0, 13.0), failed],
+    }
+    return [dense_old, dense_new, qlora]
+
+
+def test_headline_rows_group_by_scenario_and_mark_other_systems():
+    reports = _headline_reports()
+    sources = ["a.json", "b.json", "c.json"]
+    text = bench_headline.render_headline(reports, sources, HEADLINE)
+    assert "`a.json` (commit abc1234), `b.json` (commit def5678), `c.json` (commit 0a1b2c3)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].endswith("| lightning_sloth ÷ transformers + PEFT |")
+    # the dense row takes the later file's sloth_kernels; no offload row was measured
+    assert rows[1] == "| Dense shape | 100 · 9.0 GiB | 250 · 2.0 GiB | — | 2.50× |"
+    # the QLoRA file is scenario qlora_<shape>, titled by its config; a failed record is no cell
+    assert rows[2] == (
+        "| Llama-3.1-8B shape, NF4 base weights (QLoRA), LoRA r=16 | 10 · 40.0 GiB (a) | 30 · 13.0 GiB (b) | — | 3.00× |"
+    )
+    assert (
+        "(a) transformers + PEFT + bitsandbytes NF4" in text and '(b) lightning_sloth, quantize="nf4"' in text
+    )
+
+
+def test_headline_block_links_its_plot_and_draws_it(tmp_path):
+    sources = ["a.json", "b.json", "c.json"]
+    for source, report in zip(sources, _headline_reports()):
+        (tmp_path / source).write_text(json.dumps(report))
+    params = " ".join(f"{k}={v}" for k, v in HEADLINE.items())
+    text = f"<!-- bench:top kind=headline sources={','.join(sources)} {params} -->\n<!-- /bench:top -->\n"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    out = bench_report.update_readme(text, tmp_path, docs)
+    assert "](../top.png)" in out
+    assert bench_report.plots(out, tmp_path) == [tmp_path / "top.png"]
+    assert (tmp_path / "top.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_moe_layer_gets_an_nf4_column_where_measured():
+    report = json.loads((RESULTS / "moe_layer_nf4_h100.json").read_text())
+    table = bench_tables.render_moe_layer([report], ["x.json"], {})
+    assert "| lightning_sloth, NF4 experts |" in table.splitlines()[2]
+    assert "**10.4 ms / 1.88 GiB** | 11.4 ms / 1.88 GiB | 2.47× |" in table
+    plain = json.loads((RESULTS / "moe_layer_h100.json").read_text())
+    assert "NF4" not in bench_tables.render_moe_layer([plain], ["y.json"], {})
+
+
+def _project(tmp_path: Path) -> tuple[Path, list[str]]:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "k.json").write_text((RESULTS / "kernels_h100.json").read_text())
+    block = "<!-- bench:k kind=kernels sources=k.json -->\nstale\n<!-- /bench:k -->\n"
+    (tmp_path / "README.md").write_text("readme\n" + block)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("doc a\n" + block)
+    (tmp_path / "docs" / "b.md").write_text("doc b, no blocks\n")
+    return results, ["--results", str(results), "--readme", str(tmp_path / "README.md"), "--no-plots"]
+
+
+def test_report_rewrites_the_readme_and_every_doc_and_check_names_the_stale_one(tmp_path, capsys):
+    results, args = _project(tmp_path)
+    assert bench_report.main([*args, "--check"]) == 1
+    assert bench_report.main(args) == 0
+    readme, doc = (tmp_path / "README.md").read_text(), (tmp_path / "docs" / "a.md").read_text()
+    assert "stale" not in readme and "stale" not in doc and "| RMSNorm (" in doc
+    assert readme.split("\n", 1)[1] == doc.split("\n", 1)[1]
+    assert bench_report.main([*args, "--check"]) == 0
+    (tmp_path / "docs" / "a.md").write_text(doc.replace("| RMSNorm (", "| RMS (", 1))
+    capsys.readouterr()
+    assert bench_report.main([*args, "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "a.md: benchmark tables differ" in out and "README.md: benchmark" not in out
+
+
+def test_one_block_name_with_two_parameter_sets_is_refused(tmp_path):
+    _, args = _project(tmp_path)
+    (tmp_path / "docs" / "b.md").write_text(
+        "<!-- bench:k kind=kernels sources=other.json -->\n<!-- /bench:k -->\n"
+    )
+    with pytest.raises(ValueError, match="block 'k' is in .*README.md and .*b.md with different parameters"):
+        bench_report.main(args)
+
+
+def test_committed_readme_and_docs_match_the_committed_json():
+    files = bench_report.markdown_files(ROOT / "README.md", ROOT / "docs")
+    assert {"benchmarks.md", "moe.md", "multi-gpu.md", "performance.md", "qlora.md"} <= {
+        p.name for p in files
+    }
+    texts = {path: path.read_text() for path in files}
+    bench_report.check_block_names(texts)
+    for path, text in texts.items():
+        once = bench_report.update_readme(text, RESULTS, path.parent)
+        assert once == text, f"{path}: stale benchmark tables; run `python -m lightning_sloth.bench report`"
