@@ -139,26 +139,27 @@ def verify_checkpoint(path: str | Path, safe_globals: Iterable[Any] = ()) -> Non
     """Check that a checkpoint loads without running code; raise :class:`UnsafeCheckpointError` if not.
 
     A file is loaded with :func:`load_checkpoint_file`. A directory is a distributed (sharded)
-    checkpoint: its ``.metadata`` index is unpickled with the record types only, its Lightning
-    ``meta.pt`` and every non-tensor entry (which ``torch.distributed.checkpoint`` would load with
-    ``weights_only=False``) with ``weights_only=True``. Tensor entries are loaded by
-    ``torch.distributed.checkpoint`` itself with ``weights_only=True``.
+    checkpoint: its Lightning ``meta.pt`` is loaded with ``weights_only=True``, its ``.metadata``
+    index unpickled with the record types only, and every non-tensor entry (which
+    ``torch.distributed.checkpoint`` would load with ``weights_only=False``) with
+    ``weights_only=True``. Tensor entries are loaded by ``torch.distributed.checkpoint`` itself
+    with ``weights_only=True``. What a directory lacks is not checked (loading it fails anyway).
     """
     path = Path(path)
     if not path.is_dir():
         load_checkpoint_file(path, safe_globals=safe_globals)
         return
+    meta = path / "meta.pt"
+    if meta.is_file():
+        load_checkpoint_file(meta, safe_globals=safe_globals)
     index_file = path / ".metadata"
-    if not index_file.is_file():
-        raise FileNotFoundError(f"{path}: a checkpoint directory without a .metadata index")
+    if not index_file.is_file():  # nothing more that would be unpickled (loading it fails as is)
+        return
     try:
         with index_file.open("rb") as handle:
             index = _IndexUnpickler(handle).load()
     except pickle.UnpicklingError as error:
         raise UnsafeCheckpointError(_refusal(index_file, error, "the checkpoint index")) from error
-    meta = path / "meta.pt"
-    if meta.is_file():
-        load_checkpoint_file(meta, safe_globals=safe_globals)
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     allowed = [*CHECKPOINT_SAFE_GLOBALS, *safe_globals]
