@@ -171,7 +171,7 @@ def fit(
     layers_per_unit: int | None = None,
     compile: bool = False,
     meta_weights=None,
-    shard_frozen: bool | str = "auto",
+    shard_frozen: bool | str = True,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) processes; with ``meta_weights`` the model is built on the meta

@@ -224,7 +224,10 @@ def frozen_to_replicate(
         shard_frozen: ``True``: shard everything (none replicated). ``False``: replicate every
             frozen parameter. ``"auto"``: replicate them on a CUDA device when they take at most
             :data:`REPLICATE_FROZEN_SHARE` of its memory, else shard them (a meta-device model,
-            built shard by shard, always shards).
+            built shard by shard, always shards). Measured on four H100s (LoRA r=16, 16k tokens
+            per GPU): no faster for Llama-3.1-8B (10,977 vs 10,915 tokens/s per GPU), slower for
+            Llama-3.2-1B under torch's checkpoint (49,717 vs 53,596), so the strategy's default
+            is ``True``.
 
     Raises:
         ShardingError: an unknown ``shard_frozen``, or ``False`` for a model on the meta device.
@@ -248,6 +251,22 @@ def frozen_to_replicate(
     if frozen_bytes > REPLICATE_FROZEN_SHARE * torch.cuda.get_device_properties(device).total_memory:
         return set()
     return set(frozen)
+
+
+@torch.no_grad()
+def cast_replicated(replicate: set[nn.Parameter], policy) -> None:
+    """Store the replicated frozen parameters in the policy's compute dtype, in place.
+
+    FSDP2 casts the weights it manages to ``param_dtype`` when it gathers them and casts each
+    unit's floating inputs to it; a weight it does not manage would meet those bfloat16 inputs in
+    its own dtype. Stored in ``param_dtype`` it holds what the gathered copy would have held.
+    """
+    dtype = getattr(policy, "param_dtype", None)
+    if dtype is None:
+        return
+    for param in replicate:
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def shard_model(
@@ -314,6 +333,7 @@ def shard_model(
     )
     if any(p.requires_grad for p in replicate):
         raise ShardingError("only frozen parameters can be replicated instead of sharded")
+    cast_replicated(replicate, policy)
 
     def ignored(modules: list[nn.Module]) -> set[nn.Parameter] | None:
         kept = {p for m in modules for p in m.parameters() if p in replicate}
