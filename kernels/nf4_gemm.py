@@ -41,7 +41,8 @@ def _decode(packed, scale, CODE, dtype: tl.constexpr):
     return high, low
 
 
-@triton.jit
+# M (the batch's rows) is not specialized: no batch brings a new compile.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_4bit_kernel(
     X, PACKED, ABSMAX, CODE, OUT,
     M, N, HALF_K,
@@ -77,7 +78,7 @@ def _matmul_4bit_kernel(
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_4bit_t_kernel(
     DY, PACKED, ABSMAX, CODE, OUT,
     M, N, HALF_K,

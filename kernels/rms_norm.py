@@ -28,7 +28,8 @@ from lightning_sloth.kernels._utils import launchable, persistent_grid, rows_vie
 _TARGET_BLOCK = 4096
 
 
-@triton.jit
+# n_rows changes with every batch: not specialized, so no batch brings a new compile.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_forward_kernel(
     X,
     R,
@@ -71,7 +72,7 @@ def _rms_norm_forward_kernel(
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_backward_kernel(
     DY,
     DS,

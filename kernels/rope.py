@@ -68,7 +68,9 @@ def _rotate_heads(
             )
 
 
-@triton.jit
+# seq_len changes with every batch: not specialized (on divisibility by 16), so no batch brings a
+# new compile.
+@triton.jit(do_not_specialize=["seq_len"])
 def _rope_kernel(
     Q,
     K,

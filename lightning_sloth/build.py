@@ -20,6 +20,7 @@ from lightning_sloth.config import (
     JsonlDataConfig,
     KernelOpsConfig,
     PretrainedModelConfig,
+    ProgressMode,
     RandomModelConfig,
     Sharding,
     Switch,
@@ -38,8 +39,15 @@ from lightning_sloth.plugins import (
     SlothStrategy,
     SlothThroughputMonitor,
 )
-from lightning_sloth.plugins.checkpoint import AtomicCheckpointIO, FinalCheckpoint, RandomStateCheckpoint
-from lightning_sloth.plugins.progress import StepProgressBar
+from lightning_sloth.plugins.callbacks import LongestStepHeadroom, OutOfMemoryAdvice
+from lightning_sloth.plugins.checkpoint import (
+    AtomicCheckpointIO,
+    FinalCheckpoint,
+    PreemptionCheckpoint,
+    StepRandomState,
+    verify_checkpoint,
+)
+from lightning_sloth.plugins.progress import ProgressLines, StepProgressBar, interactive
 from lightning_sloth.plugins.samples import SampleGenerations
 from lightning_sloth.quant.loading import RandomWeights
 
@@ -323,11 +331,58 @@ def offload_enabled(cfg: DictConfig) -> bool:
     return cfg.sloth.offload is not Switch.off
 
 
-def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool = False) -> list[Callback]:
-    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``, with the random generators' state),
-    learning-rate and throughput monitors, the gradient-flow guard, the adapter export
+def progress_lines(trainer: DictConfig) -> bool:
+    """Whether the run shows its progress as log lines (``trainer.progress``; ``auto``: when the
+    output is not a terminal) rather than a redrawn bar."""
+    mode = trainer.get("progress", ProgressMode.auto)
+    return mode is ProgressMode.lines or (mode is ProgressMode.auto and not interactive())
+
+
+def in_slurm_job() -> bool:
+    """Whether this process runs as a SLURM batch job (not an interactive ``srun --pty bash``)."""
+    import os
+
+    return bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SLURM_JOB_NAME") not in (
+        "bash",
+        "interactive",
+    )
+
+
+def out_of_memory_hints(cfg: DictConfig) -> list[str]:
+    """The settings of this run that would make a step fit, as overrides, most effective first."""
+    hints = []
+    sloth = cfg.sloth
+    if not sloth.gradient_checkpointing:
+        hints.append("sloth.gradient_checkpointing=true: keep one input per layer, recompute the rest")
+    if sloth.offload is Switch.off:
+        hints.append("sloth.offload=on: checkpointed layer inputs to pinned host memory")
+    if sloth.memory_budget is None:
+        hints.append("sloth.memory_budget=auto: keep, recompute or offload each layer to fit the free memory")
+    else:
+        hints.append(f"a smaller sloth.memory_budget (now {sloth.memory_budget})")
+    hints.append(
+        f"data.max_tokens={max(cfg.data.max_tokens // 2, 1)}: fewer tokens per step (now {cfg.data.max_tokens})"
+    )
+    if cfg.precision.get("quantize") is None and cfg.lora.enabled:
+        hints.append("precision.quantize=nf4: the frozen base weights in 4 bits (QLoRA)")
+    return hints
+
+
+RESUME_HINT = "rerun the same command with the same output directory (resume=auto continues from it)"
+
+
+def build_callbacks(
+    trainer: DictConfig,
+    output_dir: str | Path,
+    offload: bool = False,
+    oom_hints: list[str] | None = None,
+) -> list[Callback]:
+    """Checkpointing (``<output_dir>/checkpoints/last.ckpt``; the random generators seeded per batch;
+    on SIGTERM/SIGUSR1/SIGUSR2 after the current step, then a non-zero exit, the SLURM job
+    requeued on the warning signal inside a SLURM job), learning-rate and throughput monitors, the gradient-flow guard, the adapter export
     (``<output_dir>/adapter``), greedy samples at each validation (``<output_dir>/samples.jsonl``,
-    when ``trainer.samples > 0``), the step progress bar (when enabled) and, with activation
+    when ``trainer.samples > 0``), the step progress bar or, where the output is not a terminal,
+    progress lines (when enabled; :func:`progress_lines`) and, with activation
     offload on, its statistics (bytes offloaded, pinned pool size, backward wait)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -345,17 +400,25 @@ def build_callbacks(trainer: DictConfig, output_dir: str | Path, offload: bool =
         checkpoint,
         LearningRateMonitor(logging_interval="step"),
         SlothThroughputMonitor(window_size=trainer.throughput_window),
-        GradientFlowGuard(every_n_steps=trainer.grad_guard_every_n_steps),
+        GradientFlowGuard(
+            every_n_steps=trainer.grad_guard_every_n_steps, max_nonfinite_steps=trainer.max_nonfinite_steps
+        ),
+        OutOfMemoryAdvice(*([oom_hints] if oom_hints else [])),
+        LongestStepHeadroom(),
         SaveAdapter(output_dir / ADAPTER_DIR),
         ExpertLoadMonitor(every_n_steps=trainer.log_every_n_steps),
-        RandomStateCheckpoint(),
+        StepRandomState(),
         FinalCheckpoint(output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, every_n_steps),
+        PreemptionCheckpoint(
+            output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, requeue=in_slurm_job(), resume_hint=RESUME_HINT
+        ),
     ]
     if trainer.samples:
         samples = SampleGenerations(trainer.samples, trainer.sample_max_new_tokens, output_dir / SAMPLES_FILE)
         callbacks.append(samples)
     if trainer.enable_progress_bar:
-        callbacks.append(StepProgressBar())
+        lines = progress_lines(trainer)
+        callbacks.append(ProgressLines(trainer.progress_every_n_steps) if lines else StepProgressBar())
     return callbacks + ([OffloadStatsCallback()] if offload else [])
 
 
@@ -377,15 +440,25 @@ def build_trainer(
         loggers: defaults to :func:`build_loggers`; ``False`` disables logging.
     """
     from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     t = cfg.trainer
+    plugins: list[Any] = [build_precision(cfg.precision), AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():
+        # PreemptionCheckpoint stops at a step boundary and requeues; Lightning's auto-requeue
+        # would save from inside its signal handler, in the middle of a step.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     return Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg.sloth, t, multirun, _meta_weights(cfg)),
-        plugins=[build_precision(cfg.precision), AtomicCheckpointIO()],
-        callbacks=build_callbacks(t, output_dir, offload_enabled(cfg)) if callbacks is None else callbacks,
+        plugins=plugins,
+        callbacks=(
+            build_callbacks(t, output_dir, offload_enabled(cfg), out_of_memory_hints(cfg))
+            if callbacks is None
+            else callbacks
+        ),
         logger=build_loggers(output_dir) if loggers is None else loggers,
         default_root_dir=output_dir,
         max_steps=t.max_steps,
@@ -393,12 +466,14 @@ def build_trainer(
         val_check_interval=t.val_check_interval,
         # Count val_check_interval across epochs, so it may exceed one epoch's batches.
         check_val_every_n_epoch=None,
-        limit_val_batches=1.0 if t.limit_val_batches is None else t.limit_val_batches,
+        limit_val_batches=t.limit_val_batches,  # None: all, without Lightning's notice saying so
         num_sanity_val_steps=t.num_sanity_val_steps,
         accumulate_grad_batches=t.accumulate_grad_batches,
         gradient_clip_val=t.gradient_clip_val,
         log_every_n_steps=t.log_every_n_steps,
         enable_progress_bar=t.enable_progress_bar,
+        # In a log, ProgressLines' first line replaces the parameter table.
+        enable_model_summary=not (t.enable_progress_bar and progress_lines(t)),
         deterministic=t.deterministic,
     )
 
@@ -416,12 +491,20 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> str | None:
             checkpoint path (must exist), or ``None`` (start fresh). A sharded (FSDP2)
             checkpoint is a directory.
         output_dir: the job's output directory.
+
+    A sharded checkpoint is checked here, before anything is built, with
+    :func:`~lightning_sloth.plugins.checkpoint.verify_checkpoint` (``torch.distributed.checkpoint``
+    would unpickle its index and non-tensor entries without restriction). A checkpoint file is
+    loaded by :class:`~lightning_sloth.plugins.checkpoint.AtomicCheckpointIO`, which refuses one
+    that pickles anything but plain types.
     """
     if resume is None:
         return None
     if resume == "auto":
         last = Path(output_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
-        return str(last) if last.exists() else None
-    if not Path(resume).exists():
+        resume = str(last) if last.exists() else None
+    elif not Path(resume).exists():
         raise FileNotFoundError(f"resume: checkpoint {resume!r} does not exist")
-    return str(resume)
+    if resume is not None and Path(resume).is_dir():
+        verify_checkpoint(resume)
+    return None if resume is None else str(resume)

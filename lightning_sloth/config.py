@@ -1,5 +1,8 @@
 """Typed configuration of the ``lightning-sloth`` app: structured-config schemas and their checks.
 
+It is one file: the schemas of every group, their ConfigStore entries and the checks of
+:func:`validate` are the app's whole configuration surface, read and changed together.
+
 Every YAML file under ``conf/`` extends one of these dataclasses through its defaults list, so
 Hydra rejects an unknown key (``model.hiden_size=3``) or a value of the wrong type or enum
 (``precision.precision=bf17``) while composing, before anything is built. :func:`validate`
@@ -80,6 +83,14 @@ class Sharding(Enum):
 
     ddp = "ddp"
     fsdp = "fsdp"
+
+
+class ProgressMode(Enum):
+    """How training progress is shown: ``auto`` a bar on a terminal and lines elsewhere."""
+
+    auto = "auto"
+    bar = "bar"
+    lines = "lines"
 
 
 class ExportMode(Enum):
@@ -248,8 +259,12 @@ class TrainerConfig:
             (``None``: every ``val_check_interval`` steps); written atomically.
         samples: validation prompts greedy-decoded and scored at each validation (0: none).
         sample_max_new_tokens: most tokens generated per sample.
-        grad_guard_every_n_steps: cadence of ``GradientFlowGuard``'s check.
+        grad_guard_every_n_steps: cadence of ``GradientFlowGuard``'s all-zero gradient check.
+        max_nonfinite_steps: consecutive non-finite steps skipped (``train/skipped_steps``) before
+            the run stops (0: at the first; ``null``: no per-step check, one host read less).
         throughput_window: batches in ``SlothThroughputMonitor``'s rolling average.
+        progress: ``bar`` (redrawn), ``lines`` (loss, real tokens/s, MFU every
+            ``progress_every_n_steps``; ``None``: about 15 a run), ``auto``: a bar on a terminal.
     """
 
     accelerator: str = "auto"
@@ -273,7 +288,10 @@ class TrainerConfig:
     samples: int = 32
     sample_max_new_tokens: int = 40
     grad_guard_every_n_steps: int = 50
+    max_nonfinite_steps: int | None = 3
     throughput_window: int = 20
+    progress: ProgressMode = ProgressMode.auto
+    progress_every_n_steps: int | None = None
 
 
 @dataclass
@@ -512,10 +530,10 @@ def _check_trainer(trainer: DictConfig, errors: list[str]) -> None:
     for key in positive:
         if trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0, got {trainer[key]}")
-    for key in ("samples", "sample_max_new_tokens"):
-        if trainer[key] < 0:
+    for key in ("samples", "sample_max_new_tokens", "max_nonfinite_steps"):
+        if trainer[key] is not None and trainer[key] < 0:
             errors.append(f"trainer.{key}: must be >= 0, got {trainer[key]}")
-    for key in ("limit_val_batches", "checkpoint_every_n_steps"):
+    for key in ("limit_val_batches", "checkpoint_every_n_steps", "progress_every_n_steps"):
         if trainer[key] is not None and trainer[key] <= 0:
             errors.append(f"trainer.{key}: must be > 0 or null, got {trainer[key]}")
     if trainer.num_sanity_val_steps < -1:

@@ -17,6 +17,11 @@ checkpoint's weights are loaded into it, so none of the training-time changes (p
 kernels, checkpointing) reach the export. ``export=merged`` in the app does the same at the end
 of training through :class:`ExportMerged`, from the live weights.
 
+Nothing a run directory holds can run code here: the checkpoint is loaded with
+``weights_only=True`` (a file pickling any other type is refused, naming it), a merged export only
+from ``model.safetensors``, and ``trust_remote_code`` stays off (the run's ``model.trust_remote_code``,
+false unless the run set it).
+
 A run with a 4-bit base (``precision.quantize`` = ``nf4``, ``nf4-dq`` or ``fp4``) is rebuilt
 quantised the same way so its checkpoint loads (a mismatch is a clear error), then every 4-bit
 weight (linear layers and MoE experts) is decoded as training decoded it, ``code[q] * absmax`` in
@@ -40,6 +45,7 @@ from lightning_sloth import build
 from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT
 from lightning_sloth.config import _SCHEMAS, TrainConfig, register_configs
 from lightning_sloth.ops.nf4_formats import check_quant_type
+from lightning_sloth.plugins.checkpoint import load_checkpoint_file
 from lightning_sloth.quant import check_checkpoint_quantization, dequantize_model, quantize_model
 
 log = logging.getLogger(__name__)
@@ -116,9 +122,11 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: str | Path) -> None:
     """Load the ``model.*`` weights of a ``CausalLMModule`` checkpoint into ``model`` (strict).
 
     4-bit weights load into a model quantised the same way; any other combination is a
-    ``ValueError`` naming the mismatch.
+    ``ValueError`` naming the mismatch. The file is read with ``weights_only=True``
+    (:func:`~lightning_sloth.plugins.checkpoint.load_checkpoint_file`): one that pickles any other
+    type is refused with an ``UnsafeCheckpointError`` before anything in it runs.
     """
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    state = load_checkpoint_file(checkpoint, map_location="cpu")["state_dict"]
     weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     check_checkpoint_quantization(model, weights)
     model.load_state_dict(weights, strict=True)
@@ -147,12 +155,17 @@ def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None):
 
 
 def load_run_model(run_dir: str | Path):
-    """The model to generate with: the run's merged export if present, else :func:`load_trained`."""
+    """The model to generate with: the run's merged export if present, else :func:`load_trained`.
+
+    The merged export is read from safetensors only (never a pickled ``pytorch_model.bin``) and
+    without remote code.
+    """
     merged = Path(run_dir) / MERGED_DIR
     if (merged / "config.json").is_file():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        return AutoModelForCausalLM.from_pretrained(merged).eval(), AutoTokenizer.from_pretrained(merged)
+        model = AutoModelForCausalLM.from_pretrained(merged, use_safetensors=True, trust_remote_code=False)
+        return model.eval(), AutoTokenizer.from_pretrained(merged, trust_remote_code=False)
     return load_trained(run_dir)
 
 

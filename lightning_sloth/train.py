@@ -17,7 +17,8 @@ A run writes to ``HydraConfig.get().runtime.output_dir``::
     merged/                     with ``export=merged``: the adapter merged into the base, 16-bit,
                                 transformers' layout (also ``lightning-sloth-export RUN_DIR``)
     samples.jsonl               greedy samples of validation prompts at each validation
-    metrics.json                final validation metrics, first/last train loss, packing, steps, time
+    metrics.json                final validation metrics, first/last train loss, real tokens/s and
+                                MFU of the training steps, packing, steps, time
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -41,6 +43,8 @@ from lightning_sloth import build, export
 from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT, SAMPLES_FILE
 from lightning_sloth.config import ExportMode, register_configs, validate
 from lightning_sloth.export import MERGED_DIR
+from lightning_sloth.plugins.callbacks import OutOfMemoryAdvice, SlothThroughputMonitor, StepOutOfMemoryError
+from lightning_sloth.plugins.compile_cache import configure_compile_caches
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +59,10 @@ class RunSummary(Callback):
     Keys: ``steps`` (optimizer steps, resumed ones included); ``val`` (the last validation's
     metrics, names without the ``val/`` prefix) and ``val_step``; ``val_history`` (every
     validation of this run, with its step); ``train_loss_first`` (first step of this run) and
-    ``train_loss_last``; ``packing_efficiency`` per split; ``train_time_s`` (``fit``),
-    ``wall_time_s`` (from ``start_time``); ``resumed_from``.
+    ``train_loss_last``; ``real_tokens_per_s``, ``model_tflops_per_s`` and ``mfu`` of this run's
+    training steps (validation excluded; ``None`` where unknown, such as MFU off CUDA;
+    :meth:`SlothThroughputMonitor.summary`); ``packing_efficiency`` per split; ``train_time_s``
+    (``fit``), ``wall_time_s`` (from ``start_time``); ``resumed_from``.
 
     Args:
         path: the JSON file to write.
@@ -98,6 +104,8 @@ class RunSummary(Callback):
         val_step = last_val.pop("step", None)
         train_loss = trainer.callback_metrics.get("train/loss")
         stats = getattr(trainer.datamodule, "packing_stats", {})
+        monitor = next((c for c in trainer.callbacks if isinstance(c, SlothThroughputMonitor)), None)
+        throughput = monitor.summary() if monitor is not None else {}
         summary = {
             "steps": trainer.global_step,
             "val": last_val,
@@ -105,6 +113,9 @@ class RunSummary(Callback):
             "val_history": self.val_history,
             "train_loss_first": self.train_loss_first,
             "train_loss_last": None if train_loss is None else _number(train_loss),
+            "real_tokens_per_s": throughput.get("real_tokens_per_s"),
+            "model_tflops_per_s": throughput.get("model_tflops_per_s"),
+            "mfu": throughput.get("mfu"),
             "packing_efficiency": {split: s.efficiency for split, s in stats.items()},
             "train_time_s": round(time.time() - self._fit_start, 3),
             "wall_time_s": round(time.time() - self.start_time, 3),
@@ -137,18 +148,33 @@ def format_summary(summary: dict[str, Any], output_dir: str | Path) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
     val = ", ".join(f"{k} {fmt(v)}" for k, v in summary["val"].items()) or "not run"
+    rate, mfu = summary.get("real_tokens_per_s"), summary.get("mfu")
+    throughput = "not measured" if rate is None else f"{rate:,.0f} real tokens/s"
+    if rate is not None:
+        throughput += ", MFU n/a" if mfu is None else f", MFU {100 * mfu:.1f}%"
     packing = ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary["packing_efficiency"].items())
     return "\n".join(
         [
             f"lightning-sloth: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
             f"(wall {summary['wall_time_s']:.1f} s)",
             f"  train loss {fmt(summary['train_loss_first'])} -> {fmt(summary['train_loss_last'])}",
+            f"  throughput: {throughput}",
             f"  validation (step {summary['val_step']}): {val}",
             f"  packing efficiency: {packing}",
             f"  outputs: {output_dir}",
             *outputs,
         ]
     )
+
+
+def _out_of_memory_message(callbacks: list[Callback], output_dir: Path, error: BaseException) -> str:
+    """:class:`OutOfMemoryAdvice`'s message and the state of the last checkpoint."""
+    advice = next((c for c in callbacks if isinstance(c, OutOfMemoryAdvice)), None)
+    message = advice.message if advice is not None and advice.message else f"out of memory: {error}"
+    last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if last.exists():
+        message += f"\nThe last checkpoint, {last}, is intact: rerun with one of these to resume from it."
+    return message
 
 
 def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict[str, Any] | None:
@@ -161,10 +187,20 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
 
     start = time.time()
     validate(cfg)
+    configure_compile_caches()
     output_dir = Path(output_dir)
+    if cfg.trainer.enable_progress_bar and build.progress_lines(cfg.trainer):
+        # In a log: no "Loading weights" bars, and Lightning's notices (devices found, tips) left
+        # to the progress lines' first line; its warnings stay.
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     resume = build.resolve_resume(cfg.resume, output_dir)
     # The Trainer (strategy, precision, callbacks) is cheap: its argument errors come before a model load.
-    callbacks = build.build_callbacks(cfg.trainer, output_dir, build.offload_enabled(cfg))
+    callbacks = build.build_callbacks(
+        cfg.trainer, output_dir, build.offload_enabled(cfg), build.out_of_memory_hints(cfg)
+    )
     callbacks.append(RunSummary(output_dir / METRICS_FILE, start_time=start, resumed_from=resume))
     if cfg.export is ExportMode.merged:
         export.check_exportable(cfg)
@@ -179,7 +215,12 @@ def run(cfg: DictConfig, output_dir: str | Path, multirun: bool = False) -> dict
     module = build.build_module(cfg, model)
     if resume:
         log.info("resuming from %s", resume)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    # weights_only=True explicitly: no environment variable (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD) can
+    # turn the resumed checkpoint into code; AtomicCheckpointIO enforces it for files as well.
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    except torch.OutOfMemoryError as error:
+        raise StepOutOfMemoryError(_out_of_memory_message(callbacks, output_dir, error)) from error
 
     metrics_file = output_dir / METRICS_FILE
     if not trainer.is_global_zero:

@@ -193,3 +193,30 @@ def test_multirun_sweep_writes_one_job_dir_per_value(tmp_path):
         assert metrics["steps"] == 2
         assert OmegaConf.load(sweep / job / ".hydra" / "config.yaml").optimizer.lr == lr
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_under_slurm_the_app_stops_at_a_step_and_requeues_itself(hydra_conf, tmp_path, monkeypatch):
+    """Inside a SLURM job Lightning's auto-requeue (a save from inside its signal handler) is off;
+    PreemptionCheckpoint saves at the step's end and requeues; the launcher asks for the signal."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_sloth.plugins.checkpoint import PreemptionCheckpoint
+
+    slurm = dict(SLURM_NTASKS="1", SLURM_JOB_NAME="finetune", SLURM_NODELIST="node1", SLURM_JOB_ID="7")
+    slurm |= dict(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    trainer = build.build_trainer(
+        compose("train", overrides=["trainer.accelerator=cpu"]), tmp_path, loggers=False
+    )
+    environment = trainer._accelerator_connector.cluster_environment  # what Lightning's signals read
+    assert isinstance(environment, SLURMEnvironment) and not environment.auto_requeue
+    (preemption,) = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
+    assert preemption.requeue and preemption.path == tmp_path / "checkpoints" / "last.ckpt"
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    launcher = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True).hydra.launcher
+    assert launcher.signal_delay_s == 120 and launcher.max_num_timeout > 0

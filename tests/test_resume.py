@@ -1,5 +1,6 @@
-"""Exact resume: a run killed with SIGKILL after a checkpoint, resumed with the same command, logs
-the same per-step losses as an uninterrupted run; checkpoints are written atomically."""
+"""Exact resume: a run killed with SIGKILL after a checkpoint, or stopped by SIGTERM at any step
+(preemption), resumed with the same command, logs the same per-step losses as an uninterrupted
+run; checkpoints are written atomically, and a full disk leaves the previous one loadable."""
 
 import csv
 import os
@@ -12,12 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sloth.plugins.checkpoint import (
-    AtomicCheckpointIO,
-    RandomStateCheckpoint,
-    collect_random_state,
-    restore_random_state,
-)
+from lightning_sloth.plugins.checkpoint import AtomicCheckpointIO, StepRandomState, seed_step
 
 SCRIPT = str(Path(sys.executable).parent / "lightning-sloth")
 # A small random Llama, epochs of a few batches, LoRA dropout (so the random state matters),
@@ -45,8 +41,8 @@ RUN = [
 ]
 
 
-def start(out: Path, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+def start(out: Path, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
     return subprocess.Popen(
         [SCRIPT, *RUN, f"hydra.run.dir={out}"],
         cwd=cwd,
@@ -104,6 +100,83 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
     assert len(after) >= 10 - step
 
 
+def resume_and_compare(reference: Path, stopped: Path, cwd: Path, uninterrupted, step: int) -> None:
+    """Rerun the same command in ``stopped``; its losses from ``step`` on equal the reference's."""
+    resumed = subprocess.run(
+        [SCRIPT, *RUN, f"hydra.run.dir={stopped}"],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stdout.read()[-3000:]
+    expected, got = losses(reference), losses(stopped)
+    assert sorted(expected) == list(range(10))
+    after = [s for s in expected if s >= step]
+    assert [got[s] for s in after] == [expected[s] for s in after]  # bit for bit
+    assert len(after) >= 10 - step
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path):
+    """Preemption: SIGTERM at an arbitrary step (here: as soon as step 3's checkpoint is on disk,
+    during step 4's training or validation) -> that step finishes, ``last.ckpt`` is rewritten
+    atomically at it, the exit code is 143 with a message saying how to resume, and the same
+    command continues exactly."""
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    uninterrupted = start(reference, tmp_path)
+    victim = start(stopped, tmp_path)
+    checkpoint = stopped / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    first = torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+    victim.send_signal(signal.SIGTERM)
+    output = victim.communicate(timeout=300)[0]
+    assert victim.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "preempted by SIGTERM at step" in output and "rerun the same command" in output
+    assert not (stopped / "metrics.json").exists()
+    step = torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+    assert first <= step < 10
+    assert not list(checkpoint.parent.glob("*.tmp-*"))
+    resume_and_compare(reference, stopped, tmp_path, uninterrupted, step)
+
+
+@pytest.mark.slow
+def test_the_slurm_warning_signal_saves_and_requeues(tmp_path):
+    """``sbatch --signal=USR1@90`` inside a SLURM job: the step finishes, the checkpoint is written,
+    the job is requeued with ``scontrol requeue <job id>`` and the exit code is 128 + SIGUSR1."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.chmod(0o755)
+    slurm = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "finetune",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+    out = tmp_path / "run"
+    victim = start(out, tmp_path, env=slurm)
+    checkpoint = out / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGUSR1)
+    output = victim.communicate(timeout=300)[0]
+    assert victim.returncode == 128 + signal.SIGUSR1, output[-3000:]
+    assert "preempted by SIGUSR1" in output and "the SLURM job is requeued" in output
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert 3 <= torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"] < 10
+
+
 CHILD = """
 import sys, time, torch
 from lightning_sloth.plugins import checkpoint as module
@@ -143,17 +216,22 @@ def test_atomic_save_replaces_and_cleans_up(tmp_path):
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["last.ckpt"]
 
 
-def test_random_state_is_saved_and_restored_before_the_next_step():
-    callback = RandomStateCheckpoint()
-    checkpoint = {}
-    torch.manual_seed(7)
-    callback.on_save_checkpoint(None, None, checkpoint)
-    expected = torch.rand(3)
-    torch.rand(100)  # a resumed process is elsewhere in its streams
-    callback.on_load_checkpoint(None, None, checkpoint)
-    callback.on_train_batch_start(None, None, None, 0)
-    assert torch.equal(torch.rand(3), expected)
-    state = collect_random_state()
-    first = torch.rand(2)
-    restore_random_state(state)
-    assert torch.equal(torch.rand(2), first)
+def test_each_batch_draws_from_its_own_seed():
+    """A batch's random numbers depend on the run's seed and the batch's index, nothing else."""
+
+    class Loop:
+        total_batch_idx = 0
+
+    class FakeTrainer:
+        fit_loop = Loop()
+
+    def draws(seed: int, index: int, noise: int) -> torch.Tensor:
+        torch.rand(noise)  # whatever ran before: validation, a new epoch's iterator, a resume
+        FakeTrainer.fit_loop.total_batch_idx = index
+        StepRandomState(seed).on_train_batch_start(FakeTrainer(), None, None, 0)
+        return torch.rand(4)
+
+    assert torch.equal(draws(0, 5, noise=1), draws(0, 5, noise=100))
+    assert not torch.equal(draws(0, 5, noise=1), draws(0, 6, noise=1))
+    assert not torch.equal(draws(0, 5, noise=1), draws(1, 5, noise=1))
+    assert len({seed_step(s, i) for s in range(4) for i in range(1000)}) == 4000

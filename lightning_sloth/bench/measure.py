@@ -5,6 +5,10 @@ lightning_sloth's user path runs through Lightning's ``Trainer`` with a timing c
 (:func:`run_trainer_system`). ``torch.cuda.synchronize`` brackets every timed step; warm-up steps
 (compilation included) are excluded, and so is the memory they peaked at.
 
+Every step's one-time work is counted too (:class:`~lightning_sloth.plugins.compile_cache.CompileCounter`:
+Triton JIT compilations with their seconds, ``torch.compile`` graphs): ``compiles_per_step`` and
+``kernels_compiled_in_timed_steps`` show whether a compilation landed inside the timed steps.
+
 MFU counts model FLOPs as ``6 · N · tokens + 6 · layers · heads · head_dim · Σ len²`` (``N``: all
 parameters but the input embedding, and for MoE only the experts a token uses; the second term is
 causal attention), real tokens only.
@@ -25,6 +29,9 @@ from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_sloth.bench.workload import (
+    MOE_FAMILIES,
+    MOE_LORA,
+    SHAPE_FAMILIES,
     Workload,
     bench_device,
     build_base_model,
@@ -35,6 +42,7 @@ from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettin
 from lightning_sloth.offload import plan_peak_bytes
 from lightning_sloth.patching import takes_target_count
 from lightning_sloth.plugins import SlothPrecision, SlothStrategy
+from lightning_sloth.plugins.compile_cache import CompileCounter
 
 
 def synchronize(device: torch.device) -> None:
@@ -123,6 +131,19 @@ def summarize(times: list[float], tokens: list[int], flops: list[float], losses:
         "last_loss": losses[-1],
         "losses": losses,
         "timed_steps": len(times),
+    }
+
+
+def compile_record(per_step: list[dict], warmup_steps: int) -> dict:
+    """The compile counts of every step (warm-up included) and what the timed steps compiled."""
+    timed = per_step[warmup_steps:]
+    return {
+        "compiles_per_step": [s["triton_compiles"] for s in per_step],
+        "triton_compile_s_per_step": [s["triton_compile_s"] for s in per_step],
+        "dynamo_graphs_per_step": [s["dynamo_graphs"] for s in per_step],
+        "compiles_in_timed_steps": sum(s["triton_compiles"] + s["dynamo_graphs"] for s in timed),
+        "compile_s_in_timed_steps": round(sum(s["triton_compile_s"] for s in timed), 4),
+        "kernels_compiled_in_timed_steps": sorted({k for s in timed for k in s["triton_kernels"]}),
     }
 
 
@@ -233,38 +254,41 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
     n_params = flop_parameters(model) - inactive_expert_parameters(model)  # MoE: active only
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    times, tokens, flops, losses, stats = [], [], [], [], {}
+    times, tokens, flops, losses, stats, compiles = [], [], [], [], {}, []
     warmup_peak = replay = None
     steps = workload.warmup_steps + workload.timed_steps
-
-    for step, (micro, real_tokens, sum_sq, targets) in enumerate(system.batches(workload, samples, 0)):
-        if step == steps:
-            break
-        micro = [_to_device(m, device) for m in micro]
-        num_items = torch.tensor(targets, device=device)
-        synchronize(device)
-        if step == workload.warmup_steps:  # the timed steps' own peak, warm-up excluded
-            warmup_peak = _reset_peaks(device)
-            replay = (micro, num_items, targets)
-        begin = time.perf_counter()
-        loss = forward_backward(model, micro, num_items, targets)
-        synchronize(device)
-        elapsed = time.perf_counter() - begin
-        if step == steps - 1:  # outside the timed interval
-            stats = lora_grad_stats(model)
-        begin = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        elapsed += time.perf_counter() - begin
-        losses.append(float(loss))
-        if step >= workload.warmup_steps:
-            times.append(elapsed)
-            tokens.append(real_tokens)
-            flops.append(step_flops(n_params, model.config, real_tokens, sum_sq))
+    counter = CompileCounter()
+    with counter:
+        for step, (micro, real_tokens, sum_sq, targets) in enumerate(system.batches(workload, samples, 0)):
+            if step == steps:
+                break
+            micro = [_to_device(m, device) for m in micro]
+            num_items = torch.tensor(targets, device=device)
+            synchronize(device)
+            if step == workload.warmup_steps:  # the timed steps' own peak, warm-up excluded
+                warmup_peak = _reset_peaks(device)
+                replay = (micro, num_items, targets)
+            begin = time.perf_counter()
+            loss = forward_backward(model, micro, num_items, targets)
+            synchronize(device)
+            elapsed = time.perf_counter() - begin
+            if step == steps - 1:  # outside the timed interval
+                stats = lora_grad_stats(model)
+            begin = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+            elapsed += time.perf_counter() - begin
+            losses.append(float(loss))
+            compiles.append(counter.take())
+            if step >= workload.warmup_steps:
+                times.append(elapsed)
+                tokens.append(real_tokens)
+                flops.append(step_flops(n_params, model.config, real_tokens, sum_sq))
     if len(times) < workload.timed_steps:
         raise RuntimeError(f"only {len(times)} timed steps; raise the sample count")
     result = summarize(times, tokens, flops, losses) | stats | _peaks(device) | {"setup_s": setup_s}
+    result |= compile_record(compiles, workload.warmup_steps) | {"compile_hooks": counter.available}
     if warmup_peak is not None:
         result["warmup_peak_allocated_gib"] = warmup_peak / 2**30
     result |= memory_plan_record(getattr(model, "_sloth_report", None))
@@ -299,9 +323,16 @@ def gpu_busy_share(step: Callable[[], object]) -> dict:
     return {"profiled_step_ms": wall_ms, "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / wall_ms}
 
 
-def run_trainer_system(workload: Workload, samples=None) -> dict:
+def run_trainer_system(
+    workload: Workload, samples=None, *, offload: str = "off", quantize: str | None = None
+) -> dict:
     """lightning_sloth's user path: ``CausalLMModule`` + ``SlothStrategy(kernels=True)`` +
-    ``SlothPrecision("bf16-mixed")`` in a ``Trainer``, timed by a callback around every batch."""
+    ``SlothPrecision("bf16-mixed")`` in a ``Trainer``, timed by a callback around every batch.
+
+    The model is the loop systems' (the workload's shape in bf16, LoRA on the seven projections,
+    on attention and the experts for MoE shapes). ``offload``: ``SlothStrategy(offload=...)``;
+    ``quantize``: ``SlothPrecision(quantize=...)`` (the QLoRA scenarios' NF4 base weights).
+    """
     device = bench_device()
     samples = samples if samples is not None else workload.samples(vocab_size(workload))
     steps = workload.warmup_steps + workload.timed_steps
@@ -310,9 +341,19 @@ def run_trainer_system(workload: Workload, samples=None) -> dict:
         raise RuntimeError(f"only {len(batches)} packed steps; raise the sample count")
     start = time.perf_counter()
     _reset_peaks(device)
+    family = SHAPE_FAMILIES.get(workload.shape)
+    targets = (
+        {
+            "target_modules": tuple(MOE_LORA["target_modules"]),
+            "target_parameters": tuple(MOE_LORA["target_parameters"]),
+        }
+        if family in MOE_FAMILIES
+        else {}
+    )
     module = CausalLMModule(
-        build_base_model(workload, "sdpa"),
-        lora=LoraSettings(r=workload.lora_r, alpha=2 * workload.lora_r),
+        # The packed attention replaces whatever is built with; GPT-OSS has no SDPA path to build with.
+        build_base_model(workload, "eager" if family == "gpt_oss" else "sdpa"),
+        lora=LoraSettings(r=workload.lora_r, alpha=2 * workload.lora_r, **targets),
         optimizer=OptimizerSettings(lr=1e-4, scheduler="constant"),
     )
 
@@ -320,6 +361,16 @@ def run_trainer_system(workload: Workload, samples=None) -> dict:
         def __init__(self) -> None:
             self.times, self.tokens, self.flops, self.losses, self.stats = [], [], [], [], {}
             self.warmup_peak, self.begin, self.n_params = None, 0.0, None
+            self.counter, self.compiles = CompileCounter(), []
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.counter.__enter__()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.counter.__exit__(None, None, None)
+
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            self.counter.__exit__(None, None, None)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             synchronize(device)
@@ -335,9 +386,12 @@ def run_trainer_system(workload: Workload, samples=None) -> dict:
             synchronize(device)
             elapsed = time.perf_counter() - self.begin
             self.losses.append(float(outputs["loss"]))
+            self.compiles.append(self.counter.take())
             if batch_idx >= workload.warmup_steps:
                 if self.n_params is None:
-                    self.n_params = flop_parameters(pl_module.model)
+                    self.n_params = flop_parameters(pl_module.model) - inactive_expert_parameters(
+                        pl_module.model
+                    )
                 self.times.append(elapsed)
                 self.tokens.append(batch.num_tokens)
                 self.flops.append(
@@ -345,11 +399,12 @@ def run_trainer_system(workload: Workload, samples=None) -> dict:
                 )
 
     timer = StepTimer()
+    precision = SlothPrecision("bf16-mixed", **({"quantize": quantize} if quantize else {}))
     trainer = Trainer(
         accelerator=device.type,
         devices=1,
-        strategy=SlothStrategy(kernels=True),
-        plugins=[SlothPrecision("bf16-mixed")],
+        strategy=SlothStrategy(kernels=True, offload=offload),
+        plugins=[precision],
         max_steps=steps,
         callbacks=[timer],
         logger=False,
@@ -363,8 +418,12 @@ def run_trainer_system(workload: Workload, samples=None) -> dict:
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=_identity))
     result = summarize(timer.times, timer.tokens, timer.flops, timer.losses)
     result |= timer.stats | _peaks(device) | {"setup_s": setup_s}
+    result |= compile_record(timer.compiles, workload.warmup_steps) | {
+        "compile_hooks": timer.counter.available
+    }
     if timer.warmup_peak is not None:
         result["warmup_peak_allocated_gib"] = timer.warmup_peak / 2**30
+    result |= memory_plan_record(getattr(trainer.strategy, "sloth_report", None))
     return result
 
 

@@ -15,6 +15,18 @@ then one JSON, ``<out_dir>/bench_<scenario>_<device>.json``, rewritten after eve
                  allocated/reserved, MFU (measured and datasheet), first/last loss, LoRA gradient
                  norms (A and B), the system's wall time (process start to last step)]}
 
+Compile caches: every process reads and writes Triton's and Inductor's caches under the user's
+cache (:func:`~lightning_sloth.plugins.compile_cache.configure_compile_caches`), as the app does:
+a system's figures are those of a machine that has run it before. ``cold_start=true`` measures
+each system twice instead, in two fresh processes sharing a new, empty cache directory: first
+``cold`` (every kernel compiled in that process, as on a fresh machine; with
+``drop_page_cache=true`` and the rights to do it, the OS page cache is dropped first), then warm.
+The record is the warm run's, with the cold run's figures beside it (``cold``,
+``cold_tokens_per_s_median``, ``cold_vs_warm``). Every record counts the compilations of each
+step (``compiles_per_step``, ``kernels_compiled_in_timed_steps``). ``process_env`` sets
+variables in every system's process (``+process_env.CUDA_MODULE_LOADING=EAGER``: every CUDA
+kernel of the libraries loaded when the context starts, none on first use in a step).
+
 The guard: a system whose loss is not finite, or whose trainable gradients are all zero or not
 finite, gets ``status: "failed"`` and a reason; the report never shows it as fast.
 """
@@ -41,6 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_sloth.bench.measure import environment, guard, run_loop_system, synchronize
 from lightning_sloth.bench.systems import resolve
 from lightning_sloth.bench.workload import bench_device, register_scenario, vocab_size
+from lightning_sloth.plugins.compile_cache import CACHE_VARIABLES, configure_compile_caches
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity).
 DATASHEET_BF16_TFLOPS = {"H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "H200": 989.0, "A100": 312.0}
@@ -182,18 +195,74 @@ def _worker_code(preamble: str, task_path: str, out_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _in_fresh_process(task: dict, preamble: str, timeout_s: float) -> dict:
+def _in_fresh_process(task: dict, preamble: str, timeout_s: float, env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         task_path, out_path = Path(tmp) / "task.json", Path(tmp) / "out.json"
         task_path.write_text(json.dumps(task))
         code = _worker_code(preamble, str(task_path), str(out_path))
         try:
-            proc = subprocess.run([sys.executable, "-c", code], timeout=timeout_s)
+            proc = subprocess.run(
+                [sys.executable, "-c", code], timeout=timeout_s, env={**os.environ, **(env or {})}
+            )
         except subprocess.TimeoutExpired:
             return {"status": "error", "reason": f"timed out after {timeout_s:.0f} s"}
         if not out_path.exists():
             return {"status": "error", "reason": f"process exited with code {proc.returncode}"}
         return json.loads(out_path.read_text())
+
+
+#: The figures of a cold run kept beside the warm one.
+COLD_FIELDS = (
+    "status",
+    "reason",
+    "tokens_per_s",
+    "tokens_per_s_median",
+    "tokens_per_s_steps",
+    "median_step_s",
+    "setup_s",
+    "wall_s",
+    "compiles_per_step",
+    "triton_compile_s_per_step",
+    "dynamo_graphs_per_step",
+    "compiles_in_timed_steps",
+    "compile_s_in_timed_steps",
+    "kernels_compiled_in_timed_steps",
+    "page_cache_dropped",
+)
+
+
+def drop_page_cache() -> bool:
+    """Empty the OS page cache (what a fresh machine has not read yet: the CUDA and torch
+    libraries, the model files); whether it worked (it needs root and a writable /proc/sys)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
+def cold_and_warm(
+    task: dict, preamble: str, timeout_s: float, drop_cache: bool = False, env: dict | None = None
+) -> dict:
+    """One system in two fresh processes sharing a new compile cache: cold (the cache empty), then
+    warm. The warm record, with the cold one's figures under ``cold`` and the ratio of their
+    median real tokens/s in ``cold_vs_warm``. ``env``: more variables for both processes."""
+    with tempfile.TemporaryDirectory(prefix="bench_cache_") as root:
+        caches = {variable: Path(root) / sub for variable, sub in CACHE_VARIABLES.items()}
+        for path in caches.values():
+            path.mkdir()
+        env = dict(env or {}) | {variable: str(path) for variable, path in caches.items()}
+        dropped = drop_page_cache() if drop_cache else False
+        begin = time.perf_counter()
+        cold = _in_fresh_process(task, preamble, timeout_s, env) | {"page_cache_dropped": dropped}
+        cold["wall_s"] = time.perf_counter() - begin
+        warm = _in_fresh_process(task, preamble, timeout_s, env)
+    warm["cold"] = {k: cold[k] for k in COLD_FIELDS if k in cold}
+    rate, cold_rate = warm.get("tokens_per_s_median"), cold.get("tokens_per_s_median")
+    warm["cold_tokens_per_s_median"] = cold_rate
+    warm["cold_vs_warm"] = cold_rate / rate if rate and cold_rate else None
+    return warm
 
 
 def device_tag(device_name: str) -> str:
@@ -219,6 +288,11 @@ def run_suite(cfg) -> dict:
     scenario, names = cfg["scenario"], list(cfg["systems"]["names"])
     for name in names:
         resolve(name)  # unknown names fail before anything runs
+    cold_start = bool(cfg.get("cold_start"))
+    if cold_start and not cfg["isolate"]:
+        raise ValueError("cold_start=true measures each system in fresh processes: it needs isolate=true")
+    configure_compile_caches()  # every process shares the user's compile caches
+    process_env = {str(k): str(v) for k, v in (cfg.get("process_env") or {}).items()}
     commit = cfg.get("git_commit")
     if commit is not None and not isinstance(commit, str):  # git_commit=982e255 reads as a float
         raise ValueError(
@@ -242,10 +316,14 @@ def run_suite(cfg) -> dict:
     for name in names:
         task = {"kind": "system", "system": name, "scenario": scenario}
         begin = time.perf_counter()
-        if cfg["isolate"]:
+        if cold_start:
+            preamble = resolve(name).preamble
+            measured = cold_and_warm(task, preamble, timeout, bool(cfg.get("drop_page_cache")), process_env)
+            record = {"system": name, "label": resolve(name).label} | measured
+        elif cfg["isolate"]:
             preamble = resolve(name).preamble
             record = {"system": name, "label": resolve(name).label} | _in_fresh_process(
-                task, preamble, timeout
+                task, preamble, timeout, process_env
             )
         else:
             record = measure(name, scenario)
@@ -277,6 +355,16 @@ def _line(r: dict) -> str:
         f"{r['system']:<36} {r['tokens_per_s_median']:>9.0f} tok/s "
         f"({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}), "
         f"peak {'-' if peak is None else f'{peak:.2f} GiB'}, loss {r['first_loss']:.3f}->{r['last_loss']:.3f}"
+        + (
+            f", cold {r['cold_tokens_per_s_median']:.0f} tok/s ({r['cold_vs_warm']:.1%} of warm)"
+            if r.get("cold_vs_warm")
+            else ""
+        )
+        + (
+            f", {r['compiles_in_timed_steps']} compiles in timed steps"
+            if r.get("compiles_in_timed_steps")
+            else ""
+        )
         + (f", GPU busy {r['gpu_busy_share']:.0%}" if "gpu_busy_share" in r else "")
         + (
             f" ({r['gpu_busy_share_unprofiled']:.0%} of the unprofiled step)"

@@ -29,6 +29,14 @@ Loop systems (all with LoRA r=16 on the 7 projections and gradient checkpointing
     sloth_kernels_without_<op>
                            every kernel but one (ablation; op from KERNEL_OPS).
 
+Trainer systems (lightning_sloth as a user runs it, ``run_trainer_system``; in every GPU system
+set next to the ``transform_model`` rows):
+    sloth_trainer          ``Trainer(strategy=SlothStrategy(kernels=True),
+                           plugins=[SlothPrecision("bf16-mixed")])`` around ``CausalLMModule``.
+    sloth_trainer_offload  + ``offload="on"``.
+    sloth_trainer_nf4      + ``SlothPrecision(quantize="nf4")`` (QLoRA scenarios);
+                           ``sloth_trainer_nf4_offload`` with offload.
+
 The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
 
 The peers (transformers + PEFT, Liger-Kernel, Unsloth, bitsandbytes) are in
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from lightning_sloth.attention import set_varlen_kv_repeat
 from lightning_sloth.bench import peers
@@ -224,7 +233,13 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         peers.unsloth_batches,
         preamble="import os\nos.environ.setdefault('UNSLOTH_DISABLE_STATISTICS', '1')\nimport unsloth\n",
     ),
-    "sloth_trainer": SuiteSystem("lightning_sloth: Trainer + SlothStrategy(kernels=True) (user path)"),
+    "sloth_trainer": SuiteSystem(
+        "lightning_sloth: Trainer + SlothStrategy(kernels=True) (user path)", trainer=run_trainer_system
+    ),
+    "sloth_trainer_offload": SuiteSystem(
+        'lightning_sloth: Trainer + SlothStrategy(kernels=True, offload="on") (user path)',
+        trainer=partial(run_trainer_system, offload="on"),
+    ),
     "sloth_kernels": SuiteSystem("lightning_sloth: transform_model(kernels=True) (API path)"),
     "sloth": SuiteSystem("lightning_sloth, kernels off (packed attention, checkpointing)"),
     "sloth_kernels_metadata_per_layer": SuiteSystem(
@@ -333,6 +348,14 @@ SUITE_SYSTEMS.update(
         "sloth_nf4_offload": SuiteSystem(
             'lightning_sloth, quantize="nf4" + offload="on"', _sloth_4bit(offload="on"), packed_batches
         ),
+        "sloth_trainer_nf4": SuiteSystem(
+            'lightning_sloth: Trainer + SlothPrecision("bf16-mixed", quantize="nf4") (user path)',
+            trainer=partial(run_trainer_system, quantize="nf4"),
+        ),
+        "sloth_trainer_nf4_offload": SuiteSystem(
+            'lightning_sloth: Trainer, quantize="nf4" + offload="on" (user path)',
+            trainer=partial(run_trainer_system, quantize="nf4", offload="on"),
+        ),
     }
 )
 
@@ -340,10 +363,8 @@ SUITE_SYSTEMS.update(
 def resolve(name: str) -> SuiteSystem:
     """A suite system by name, completing loop systems from :func:`resolve_system`
     (so every system of :data:`SYSTEMS` runs in the suite too)."""
-    if name == "sloth_trainer":
-        return SuiteSystem(SUITE_SYSTEMS[name].label, trainer=run_trainer_system)
     system = SUITE_SYSTEMS.get(name)
-    if system is not None and system.setup is not None:
+    if system is not None and (system.setup is not None or system.trainer is not None):
         return system
     setup, batches = resolve_system(name)
     label = system.label if system is not None else name

@@ -1,8 +1,11 @@
-"""Callbacks that observe and guard a run: throughput on real tokens, gradient flow, adapter export."""
+"""Callbacks that observe and guard a run: throughput on real tokens, gradient flow (steps with
+non-finite gradients skipped), out-of-memory advice, memory-plan headroom, adapter export."""
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,34 +37,145 @@ class SlothThroughputMonitor(ThroughputMonitor):
 
     Logs ``train|device/items_per_sec`` as real (non-padding) tokens per second, and MFU where the
     module exposes ``flops_per_batch`` (``CausalLMModule`` does; see its formula) and the device's
-    peak rate is known.
+    peak rate is known. The last logged figures are in :attr:`latest` (for the progress lines) and
+    the whole run's in :meth:`summary` (for the end summary).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(batch_size_fn=_documents, length_fn=_real_tokens, **kwargs)
+        self.latest: dict[str, float] = {}
+        self._tokens = 0
+        self._flops = 0.0
+        self._elapsed = 0.0
+
+    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self.latest, self._tokens, self._flops, self._elapsed = {}, 0, 0.0, 0.0
+
+    def _update(self, trainer: Trainer, pl_module: LightningModule, batch: Any, iter_num: int) -> None:
+        super()._update(trainer, pl_module, batch, iter_num)
+        stage = trainer.state.stage
+        if stage is None or stage.value != "train":
+            return
+        # The same clock as the window (validation time taken out by the parent class).
+        self._elapsed = time.perf_counter() - self._t0s[stage]
+        self._tokens += _real_tokens(batch)
+        self._flops += getattr(pl_module, "flops_per_batch", None) or 0.0
+
+    def _compute(self, trainer: Trainer, iter_num: int | None = None) -> None:
+        super()._compute(trainer, iter_num)
+        stage = trainer.state.stage
+        if stage is not None and stage.value == "train" and trainer._logger_connector.should_update_logs:
+            metrics = self._throughputs[stage].compute()
+            self.latest = {k: float(v) for k, v in metrics.items()}
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        """Real tokens per second of the last logged window, or of the run so far until a window
+        is full (``None`` before the first step)."""
+        return self.latest.get("device/items_per_sec", self.summary()["real_tokens_per_s"])
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation, over the same span as :attr:`tokens_per_sec` (``None`` where
+        the device's peak is unknown)."""
+        return self.latest.get("device/mfu", self.summary()["mfu"])
+
+    def summary(self) -> dict[str, float | None]:
+        """The run's training steps as a whole (validation excluded): ``real_tokens_per_s``,
+        ``model_tflops_per_s`` and ``mfu`` (``None`` where unknown)."""
+        if self._elapsed <= 0:
+            return {"real_tokens_per_s": None, "model_tflops_per_s": None, "mfu": None}
+        flops = self._flops / self._elapsed if self._flops else None
+        return {
+            "real_tokens_per_s": self._tokens / self._elapsed,
+            "model_tflops_per_s": None if flops is None else flops / 1e12,
+            "mfu": flops / self.available_flops if flops and self.available_flops else None,
+        }
 
 
 class GradientFlowError(RuntimeError):
     """Raised when no usable gradient reaches the trainable parameters."""
 
 
-class GradientFlowGuard(Callback):
-    """Stops a run whose trainable gradients are all zero or not finite.
+class NonFiniteStepError(GradientFlowError):
+    """Raised when too many consecutive steps had a non-finite loss or gradients."""
 
-    The check reads one scalar per check back from the device, so it runs every
-    ``every_n_steps`` optimizer steps (and always on the first one, where a broken setup shows).
-    The error names the step and the problem; resume from the last checkpoint after fixing it.
+
+def describe_documents(batch: Any, tokenizer: Any = None, limit: int = 8, chars: int = 48) -> str:
+    """The documents of a packed batch, one per line: index, tokens, and their start as text.
+
+    Reads the batch back to the host (only for error messages). ``tokenizer`` decodes the ids;
+    without one the first ids are shown.
+    """
+    ids = batch.input_ids[0].detach().cpu().tolist()
+    bounds = batch.cu_seqlens.detach().cpu().tolist()
+    lines = []
+    segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a and a < batch.num_tokens]
+    for i, (start, end) in enumerate(segments[:limit]):
+        tokens = ids[start:end]
+        if tokenizer is not None:
+            text = tokenizer.decode(tokens[:chars])[:chars]
+        else:
+            text = " ".join(map(str, tokens[:12]))
+        lines.append(f"  document {i}: {end - start} tokens, {text!r}")
+    if len(segments) > limit:
+        lines.append(f"  ... and {len(segments) - limit} more")
+    return "\n".join(lines)
+
+
+class GradientFlowGuard(Callback):
+    """Skips steps whose gradients are not finite; stops a run whose gradients are all zero.
+
+    Every step (with ``max_nonfinite_steps`` set) the norm of the trainable gradients is read
+    back to the host (one scalar). A NaN or infinite norm (a non-finite loss makes one) skips
+    the step: the gradients are dropped before the optimizer runs, so it updates no parameter
+    and no state (AdamW leaves parameters without a gradient alone), and the learning-rate
+    schedulers' step of this batch is undone; ``train/skipped_steps`` counts the skips and a
+    warning names the batch's documents. After ``max_nonfinite_steps`` consecutive skips the
+    next one raises :class:`NonFiniteStepError` naming the step and the batch's documents; no
+    checkpoint was written with those gradients. Under fp16's loss scaler the scaler skips such
+    steps itself (lowering its scale), and the guard leaves them to it.
+
+    Every ``every_n_steps`` optimizer steps (and always on the first, where a broken setup
+    shows) it also checks that the gradients are not all zero. The error names the step and the
+    problem; resume from the last checkpoint after fixing it.
+
+    Args:
+        every_n_steps: cadence of the all-zero check (and of the ``train/grad_norm`` log).
+        max_nonfinite_steps: consecutive non-finite steps skipped before the run stops (0: stop
+            at the first); ``None``: no per-step check, a non-finite norm found by the periodic
+            check stops the run.
+        tokenizer: decodes the documents the messages name (default: the data module's).
     """
 
-    def __init__(self, every_n_steps: int = 50) -> None:
+    def __init__(
+        self, every_n_steps: int = 50, max_nonfinite_steps: int | None = 3, tokenizer: Any = None
+    ) -> None:
         if every_n_steps <= 0:
             raise ValueError(f"GradientFlowGuard every_n_steps must be positive, got {every_n_steps}")
+        if max_nonfinite_steps is not None and max_nonfinite_steps < 0:
+            raise ValueError(f"max_nonfinite_steps must be >= 0 or None, got {max_nonfinite_steps}")
         self.every_n_steps = every_n_steps
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.tokenizer = tokenizer
         self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self._batch: Any = None
+        self._undo: list[tuple[Any, dict, list[float]]] | None = None
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = batch
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         step = trainer.global_step
-        if step % self.every_n_steps:
+        periodic = step % self.every_n_steps == 0
+        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
+        per_step = self.max_nonfinite_steps is not None and not scaled
+        if not (periodic or per_step):
             return
         grads = [p.grad for p in pl_module.parameters() if p.requires_grad and p.grad is not None]
         if not grads:
@@ -70,15 +184,199 @@ class GradientFlowGuard(Callback):
         if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm, reduced over ranks
             norm = norm.full_tensor()
         norm = float(norm)
+        if not math.isfinite(norm):
+            if not per_step:
+                raise GradientFlowError(
+                    f"step {step}: trainable gradient norm is {norm} (non-finite gradients)"
+                )
+            self._skip(trainer, pl_module, optimizer, norm)
+            return
+        self.consecutive_skips = 0
+        if self.max_nonfinite_steps is not None:
+            pl_module.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
+        if not periodic:
+            return
         self.last_grad_norm = norm
-        if not torch.isfinite(torch.tensor(norm)):
-            raise GradientFlowError(f"step {step}: trainable gradient norm is {norm} (non-finite gradients)")
         if norm == 0.0:
             raise GradientFlowError(
                 f"step {step}: all {len(grads)} trainable gradients are zero "
                 "(frozen path, detached loss or fully masked labels?)"
             )
         pl_module.log("train/grad_norm", norm, batch_size=1)
+
+    def _skip(self, trainer: Trainer, pl_module: LightningModule, optimizer, norm: float) -> None:
+        step = trainer.global_step
+        tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)
+        documents = describe_documents(self._batch, tokenizer) if hasattr(self._batch, "cu_seqlens") else ""
+        self.consecutive_skips += 1
+        if self.consecutive_skips > self.max_nonfinite_steps:
+            raise NonFiniteStepError(
+                f"step {step}: the loss or gradients were not finite (norm {norm}) for "
+                f"{self.consecutive_skips} steps in a row (max_nonfinite_steps={self.max_nonfinite_steps}); "
+                f"stopping. No checkpoint was written with these gradients. This batch's documents:\n"
+                f"{documents}\nCheck these records, the learning rate and the precision."
+            )
+        self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)  # the optimizer then updates nothing
+        self._undo = [
+            (
+                config.scheduler,
+                config.scheduler.state_dict(),
+                [g["lr"] for g in config.scheduler.optimizer.param_groups],
+            )
+            for config in trainer.lr_scheduler_configs
+            if config.interval == "step"
+        ]
+        log.warning(
+            "step %d: non-finite loss or gradients (norm %s); step skipped (%d in a row, %d in all). "
+            "The batch's documents:\n%s",
+            step,
+            norm,
+            self.consecutive_skips,
+            self.skipped_steps,
+            documents,
+        )
+        pl_module.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = None
+        if self._undo is None:
+            return
+        for scheduler, state, lrs in self._undo:  # the schedulers stepped after the skipped step
+            scheduler.load_state_dict(state)
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+        self._undo = None
+
+
+class StepOutOfMemoryError(RuntimeError):
+    """A training step ran out of device memory; the message says what the step held and what fits."""
+
+
+#: What to change when a step does not fit, spelled for the Python API (the app passes its own).
+OUT_OF_MEMORY_HINTS = (
+    'SlothStrategy(offload="on"): checkpointed layer inputs to pinned host memory',
+    'SlothStrategy(memory_budget="auto" or a byte count): keep, recompute or offload each layer to fit',
+    "PackedDataModule(max_tokens=...): fewer tokens per step",
+    'SlothPrecision(..., quantize="nf4"): the frozen base weights in 4 bits (QLoRA)',
+)
+
+
+class OutOfMemoryAdvice(Callback):
+    """Explains a CUDA out-of-memory error in a training step: what the step held and what would fit.
+
+    It remembers the current batch's sizes (host integers, no device work; training and
+    validation) and, when a step raises ``torch.OutOfMemoryError``, builds :attr:`message`: the
+    step, its real tokens, row
+    length, documents and longest document, the peak allocated device memory and the device's
+    total, and ``hints``. Lightning then re-raises the error (callers such as the app raise
+    :class:`StepOutOfMemoryError` with the message); nothing is saved, so the last checkpoint is
+    the one before the step.
+
+    Args:
+        hints: the settings that would make the step fit, most effective first.
+    """
+
+    def __init__(self, hints: tuple[str, ...] | list[str] = OUT_OF_MEMORY_HINTS) -> None:
+        self.hints = list(hints)
+        self.message: str | None = None
+        self._step: dict[str, int] | None = None
+
+    def _remember(self, batch: Any) -> None:
+        self._step = None
+        if hasattr(batch, "cu_seqlens"):
+            self._step = {
+                "tokens": batch.num_tokens,
+                "capacity": batch.capacity,
+                "documents": batch.num_documents,
+                "longest": batch.max_seqlen,
+            }
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._remember(batch)
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._remember(batch)
+
+    def describe(self, trainer: Trainer) -> str:
+        """The message for an out-of-memory error in the current step."""
+        device = trainer.strategy.root_device
+        where = "validation after " if trainer.validating or trainer.sanity_checking else ""
+        step = self._step
+        held = (
+            f"{step['tokens']} real tokens in a {step['capacity']}-token row, {step['documents']} "
+            f"documents, the longest {step['longest']} tokens"
+            if step
+            else "its batch"
+        )
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            total = torch.cuda.get_device_properties(device).total_memory / 2**30
+            memory = f"peak allocated {peak:.2f} GiB of the device's {total:.2f} GiB"
+        else:
+            memory = f"on {device.type}"
+        hints = "".join(f"\n  - {hint}" for hint in self.hints)
+        return (
+            f"out of memory in {where}training step {trainer.global_step} ({held}); {memory}. "
+            f"Settings that make it fit:{hints}"
+        )
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, torch.OutOfMemoryError):
+            self.message = self.describe(trainer)
+            log.error("%s", self.message)
+
+
+class LongestStepHeadroom(Callback):
+    """``memory_budget="auto"`` plans for the longest step the data can make, not the first one.
+
+    The layer plan (keep, recompute or offload each layer) is made from the activations measured
+    in the first training step. A later step with more tokens needs more: once the plan is
+    measured, it is made again for a budget scaled by ``first step's row / longest row`` (the
+    longest row is ``max_tokens``, the packing budget every bin fits in).
+
+    Args:
+        max_tokens: the longest row (default: the data module's ``max_tokens``).
+    """
+
+    def __init__(self, max_tokens: int | None = None) -> None:
+        self.max_tokens = max_tokens
+        self.done = False
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.done:
+            return
+        layers = getattr(getattr(trainer.strategy, "sloth_report", None), "checkpointing", None)
+        if layers is None or layers.memory_budget != "auto" or not hasattr(batch, "capacity"):
+            self.done = True
+            return
+        if layers.activation_bytes is None:  # not measured yet
+            return
+        self.done = True
+        longest = self.max_tokens or getattr(trainer.datamodule, "max_tokens", None)
+        if layers.budget_bytes is None or not longest or batch.capacity >= longest:
+            return
+        budget = int(layers.budget_bytes * batch.capacity / longest)
+        log.info(
+            "memory plan for the longest step (%d tokens; the first had %d): budget %d bytes",
+            longest,
+            batch.capacity,
+            budget,
+        )
+        layers.replan(budget)
 
 
 class SaveAdapter(Callback):
