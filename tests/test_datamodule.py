@@ -223,3 +223,19 @@ def test_state_dict_round_trip(tok, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_sloth.data.datamodule"):
         changed.load_state_dict(state)
     assert "the training data differs from the checkpoint's" in caplog.records[-1].getMessage()
+
+
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_the_next_epoch_from_its_start(tok):
+    """The loader's skip belongs to the saved epoch: resumed in that epoch it skips the consumed
+    bins; moved on to the next epoch (a checkpoint at the epoch's last batch) it starts at bin 0."""
+    dm = make_dm(tok)
+    full = [b.input_ids for b in epoch_batches(dm, 4)[1]]
+    saved = {"epoch": 3, "consumed": len(full)}  # the whole of epoch 3
+    loader = dm.train_dataloader()
+    loader.load_state_dict(saved)
+    loader.batch_sampler.set_epoch(4)  # what Lightning does when the next epoch starts
+    resumed = [b.input_ids for b in loader]
+    assert len(resumed) == len(full) and all(torch.equal(a, b) for a, b in zip(resumed, full))
+    loader.load_state_dict({"epoch": 4, "consumed": 2})  # mid-epoch: the same epoch skips its first bins
+    assert [b.input_ids.shape for b in loader] == [b.shape for b in full[2:]]
+    assert loader.state_dict() == {"epoch": 4, "consumed": 2}

@@ -155,9 +155,14 @@ class ResumableDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.consumed = 0
         self._resume_at = 0
+        self._resume_epoch: int | None = None
 
     def __iter__(self):
-        self.consumed, self._resume_at = self._resume_at, 0
+        # The skip belongs to the saved epoch only: a checkpoint taken at an epoch's last batch
+        # resumes in the next epoch (Lightning sets it on the sampler), which starts from its first bin.
+        same_epoch = self._resume_epoch is None or self._resume_epoch == self.batch_sampler.epoch
+        self.consumed = self._resume_at if same_epoch else 0
+        self._resume_at, self._resume_epoch = 0, None
         self.batch_sampler.skip = self.consumed
         return super().__iter__()
 
@@ -168,7 +173,7 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Make the next iteration continue the saved epoch after its consumed batches."""
         self.batch_sampler.set_epoch(state_dict["epoch"])
-        self._resume_at = state_dict["consumed"]
+        self._resume_at, self._resume_epoch = state_dict["consumed"], state_dict["epoch"]
 
 
 class _TokenizedSamples(Dataset):
