@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_sloth.attention import attention_width
 from lightning_sloth.data.batch import IGNORE_INDEX, PackedBatch
 from lightning_sloth.patching import takes_target_count
 from lightning_sloth.token_loss import GlobalTokenLoss
@@ -274,14 +275,15 @@ class CausalLMModule(LightningModule):
         """Model FLOPs of one step: ``6·N·tokens`` plus causal attention (PaLM convention).
 
         ``N`` counts all parameters except the input embedding (:func:`flop_parameters`); attention adds
-        ``6 · layers · hidden · Σ len²`` for causal documents (half of the full ``12·…``).
+        ``6 · width · Σ len²`` for causal documents (half of the full ``12·…``), ``width`` summing
+        heads × head dim over the softmax-attention layers (:func:`~lightning_sloth.attention.attention_width`:
+        per-layer head dims, linear-attention layers none).
         """
         if not hasattr(self, "_flop_params"):
             self._flop_params = flop_parameters(self.model)
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * batch.sum_sq_seqlens
-        return 6 * self._flop_params * batch.num_tokens + attn
+        if not hasattr(self, "_attention_width"):
+            self._attention_width = attention_width(self.model.config)
+        return 6 * self._flop_params * batch.num_tokens + 6 * self._attention_width * batch.sum_sq_seqlens
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]

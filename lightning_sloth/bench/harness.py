@@ -31,6 +31,7 @@ from lightning_sloth.bench.measure import (
     make_optimizer,
     memory_plan_record,
     stage_batch,
+    step_flops,
 )
 from lightning_sloth.bench.systems import resolve_system
 from lightning_sloth.bench.workload import SHAPES, Workload
@@ -50,8 +51,6 @@ def run_system(
     torch.cuda.reset_peak_memory_stats()
     model = setup(workload)
     model.train()
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_params = flop_parameters(model) - inactive_expert_parameters(model)
     optimizer = make_optimizer(model)
     times, tokens, flops, losses = [], [], [], []
@@ -93,10 +92,7 @@ def run_system(
         if step >= workload.warmup_steps:
             times.append(elapsed)
             tokens.append(real_tokens)
-            flops.append(
-                6 * n_params * real_tokens
-                + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * sum_sq
-            )
+            flops.append(step_flops(n_params, model.config, real_tokens, sum_sq))
     if len(times) < workload.timed_steps:
         raise RuntimeError(f"{name}: only {len(times)} timed steps; raise the sample count")
     result = {

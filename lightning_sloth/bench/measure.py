@@ -9,7 +9,7 @@ Every step's one-time work is counted too (:class:`~lightning_sloth.plugins.comp
 Triton JIT compilations with their seconds, ``torch.compile`` graphs): ``compiles_per_step`` and
 ``kernels_compiled_in_timed_steps`` show whether a compilation landed inside the timed steps.
 
-MFU counts model FLOPs as ``6 · N · tokens + 6 · layers · heads · head_dim · Σ len²`` (``N``: all
+MFU counts model FLOPs as ``6 · N · tokens + 6 · width · Σ len²`` (``N``: all
 parameters but the input embedding, and for MoE only the experts a token uses; the second term is
 causal attention), real tokens only.
 """
@@ -28,6 +28,7 @@ import transformers
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
+from lightning_sloth.attention import attention_width
 from lightning_sloth.bench.workload import (
     MOE_FAMILIES,
     MOE_LORA,
@@ -38,6 +39,7 @@ from lightning_sloth.bench.workload import (
     packed_batch_list,
     vocab_size,
 )
+from lightning_sloth.data import inputs_to_device
 from lightning_sloth.module import CausalLMModule, LoraSettings, OptimizerSettings, flop_parameters
 from lightning_sloth.offload import plan_peak_bytes
 from lightning_sloth.patching import takes_target_count
@@ -148,14 +150,10 @@ def compile_record(per_step: list[dict], warmup_steps: int) -> dict:
 
 
 def step_flops(n_params: int, config, real_tokens: int, sum_sq: int) -> float:
-    """Model FLOPs of one step: ``6·N·tokens + 6·layers·heads·head_dim·Σ len²`` (causal attention)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * sum_sq
+    """Model FLOPs of one step: ``6·N·tokens + 6·width·Σ len²`` (causal attention; ``width``: heads ×
+    head dim summed over the softmax-attention layers, :func:`~lightning_sloth.attention.attention_width`)."""
+    attention = 6 * attention_width(config) * sum_sq
     return 6 * n_params * real_tokens + attention
-
-
-def _to_device(inputs: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
 
 
 def make_optimizer(model) -> torch.optim.Optimizer:
@@ -166,7 +164,7 @@ def make_optimizer(model) -> torch.optim.Optimizer:
 def stage_batch(micro_batches: list[dict], targets: int) -> tuple[list[dict], torch.Tensor]:
     """One step's micro-batches on the GPU, and its target-token count as the loss denominator."""
     cuda = torch.device("cuda")
-    return [_to_device(m, cuda) for m in micro_batches], torch.tensor(targets, device=cuda)
+    return [inputs_to_device(m, cuda) for m in micro_batches], torch.tensor(targets, device=cuda)
 
 
 def loss_kwargs(model, micro_batches: list[dict], targets: int | None) -> dict:
@@ -262,7 +260,7 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
         for step, (micro, real_tokens, sum_sq, targets) in enumerate(system.batches(workload, samples, 0)):
             if step == steps:
                 break
-            micro = [_to_device(m, device) for m in micro]
+            micro = [inputs_to_device(m, device) for m in micro]  # cu_seqlens keep their host copy
             num_items = torch.tensor(targets, device=device)
             synchronize(device)
             if step == workload.warmup_steps:  # the timed steps' own peak, warm-up excluded
