@@ -146,3 +146,17 @@ def test_backward_scales_a_long_gradient_in_float32_slices():
         got = _scaled(d, scale, torch.bfloat16)
     assert not any(shape == (n, 3) and dtype == torch.float32 for _, shape, dtype in outputs.made)
     assert torch.equal(got, (d.float() * scale).to(torch.bfloat16))
+
+
+def test_loss_keeps_every_row_when_few_are_ignored():
+    """A long sequence with a handful of ignored rows: hidden itself, no ``[count, H]`` copy."""
+    from lightning_sloth.patching._forwards import target_rows
+
+    hidden = torch.randn(1, 640, 8)
+    targets = torch.randint(0, 5, (1, 640))
+    targets[0, ::128] = -100  # 5 ignored rows, under 640 // 64
+    rows, kept = target_rows(hidden, targets, 635)
+    assert rows is hidden and kept is targets
+    targets[0, :20] = -100  # 24 ignored: the selection pays
+    rows, kept = target_rows(hidden, targets, 616)
+    assert rows.shape == (616, 8) and bool((kept != -100).all())

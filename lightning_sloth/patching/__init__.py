@@ -14,8 +14,15 @@ checkpoint's recompute) with :func:`layer_output_unread`. :func:`chunk_mlps` run
 MLPs over token chunks at long sequences (``mlp_chunks.py``).
 """
 
-from lightning_sloth.patching._apply import OPS, KernelSettings, PatchReport, apply_kernels, unpatch
-from lightning_sloth.patching._forwards import chunk_mlps, layer_output_unread, patched_op, takes_target_count
+from lightning_sloth.patching._apply import (
+    OPS,
+    KernelSettings,
+    PatchReport,
+    apply_kernels,
+    chunk_mlps,
+    unpatch,
+)
+from lightning_sloth.patching._forwards import layer_output_unread, patched_op, takes_target_count
 from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
 from lightning_sloth.patching.experts import ExpertsReport, apply_experts, moe_families
 from lightning_sloth.patching.families import FAMILIES, Family, NormStyle

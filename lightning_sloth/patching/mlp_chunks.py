@@ -28,12 +28,21 @@ The chunk size comes from a module attribute set by :func:`set_mlp_chunk_tokens`
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MLP_CHUNK_BYTES", "chunk_size_for", "chunked_rows", "mlp_chunk_tokens", "set_mlp_chunk_tokens"]
+__all__ = [
+    "MLP_CHUNK_BYTES",
+    "chunk_size_for",
+    "chunked_rows",
+    "mlp_chunk_tokens",
+    "set_mlp_chunk_tokens",
+    "token_chunked",
+    "unread_chunked",
+]
 
 CHUNK_ATTR = "_sloth_mlp_chunk_tokens"
 """Module attribute holding an MLP's chunk setting (int tokens, ``"auto"`` or ``None``)."""
@@ -136,12 +145,46 @@ def chunked_rows(
     if size < 1:
         raise ValueError(f"chunk size must be >= 1 row, got {size}")
     rows = x.reshape(-1, x.shape[-1])
-    if not torch.is_grad_enabled() or not (x.requires_grad or needs_grad):
-        with torch.no_grad() if not torch.is_grad_enabled() else contextlib.nullcontext():
-            out = _run_chunks(body, rows, size)
+    if not torch.is_grad_enabled() or not (x.requires_grad or needs_grad):  # no graph to build
+        out = _run_chunks(body, rows, size)
         return out.view(*x.shape[:-1], out.shape[-1])
     out = _ChunkedRows.apply(body, grad_body or body, size, unread, _ANCHOR, rows)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def token_chunked(body: Callable) -> Callable:
+    """A gated MLP forward ``body(module, x)`` that runs over token chunks when its module has a
+    chunk setting and x is longer than one chunk; ``__wrapped__`` is ``body``."""
+
+    @functools.wraps(body)
+    def forward(self: nn.Module, x: Tensor) -> Tensor:
+        size = chunk_size_for(self, x)
+        if size is None:
+            return body(self, x)
+        return chunked_rows(functools.partial(body, self), x, size, needs_grad=_trains(self))
+
+    return forward
+
+
+def unread_chunked(mlp: nn.Module, x: Tensor, residual: Tensor, size: int, for_gradients: Callable) -> Tensor:
+    """``residual + mlp(x)`` in a recompute whose output nothing reads, over chunks of ``size``
+    tokens: nothing is computed now; the backward runs ``for_gradients(mlp, chunk, zero)`` per
+    chunk (the gradients-only forward, a zero residual standing in for the chunk's).
+
+    ``mlp``'s forward is one made by :func:`token_chunked`."""
+    body = mlp.__dict__["forward"].__func__.__wrapped__
+
+    def grad_body(chunk: Tensor) -> Tensor:
+        return for_gradients(mlp, chunk, residual.new_zeros(*chunk.shape[:-1], residual.shape[-1]))
+
+    out = chunked_rows(
+        functools.partial(body, mlp), x, size, unread=True, grad_body=grad_body, needs_grad=_trains(mlp)
+    )
+    return residual + out
 
 
 _ANCHOR = torch.ones((), requires_grad=True)
