@@ -6,7 +6,9 @@ projections, applies ``transform_model`` (kernels, packed attention, checkpointi
 chunked MLPs, the memory plan), and trains one full optimizer step (forward, backward, AdamW) on
 one sequence of ``--tokens`` tokens. Building the model is timed apart from the step. Its JSON
 (``fits``, peak allocated and reserved, step seconds, loss) goes to ``$OUT`` (else
-``benchmarks/results/``); ``--account`` adds the memory accounting
+``benchmarks/results/``), with the offloader's bytes moved to the host and kept on the device (its
+pinned pool is capped at half the host's memory unless ``--max-host-gib`` says otherwise: at 350k
+tokens an 8B's layer inputs are 2.7 GiB each); ``--account`` adds the memory accounting
 (``benchmarks/memory_accounting.py``: what the model holds, and what the step adds at its peak by
 category)::
 
@@ -111,6 +113,8 @@ def build(args, device: torch.device):
         if chunk not in (None, "auto", "none")
         else (None if chunk == "none" else chunk),
     )
+    if report.offloader is not None and args.max_host_gib is not None:
+        report.offloader.pool.max_bytes = int(args.max_host_gib * 2**30)
     return model.train(), report
 
 
@@ -186,6 +190,12 @@ def run_step(args) -> dict:
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         }
+    if report.offloader is not None:
+        stats = report.offloader.stats()
+        record["offloader"] = {
+            k: stats[k] for k in ("offloaded_bytes_per_step", "kept_on_device_bytes_per_step") if k in stats
+        }
+        record["max_host_gib"] = (report.offloader.pool.max_bytes or 0) / 2**30
     ckpt = report.checkpointing
     if ckpt is not None:
         record["plan"] = {mode: ckpt.plan.count(mode) for mode in ("keep", "recompute", "offload")}
@@ -290,6 +300,12 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--mlp-chunk-tokens", default="auto", help="'auto', a token count or 'none'")
         sub.add_argument("--memory-budget", default=None, help="bytes or 'auto' for the per-layer plan")
         sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument(
+            "--max-host-gib",
+            type=float,
+            default=None,
+            help="the offloader's pinned-pool cap (default: half the host)",
+        )
         sub.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     step = commands.choices["step"]
     step.add_argument("--tokens", type=int, required=True)
