@@ -162,7 +162,7 @@ def run_step(args) -> dict:
     record = {
         "shape": args.shape, "base": args.base, "tokens": args.tokens, "lora_r": args.lora_r,
         "offload": args.offload, "mlp_chunk_tokens": args.mlp_chunk_tokens, "memory_budget": args.memory_budget,
-        "environment": environment(),
+        "environment": environment(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }  # fmt: skip
     start = time.perf_counter()
     model, report = build(args, device)
@@ -322,6 +322,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    # Long steps allocate a few huge blocks of many sizes: growable segments keep the cache from
+    # splitting (read when CUDA first allocates; a value the caller set is kept).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if args.command == "bisect":
         return run_bisect(args, argv)
     record = run_step(args)

@@ -31,6 +31,7 @@ def test_one_step_in_four_bits_with_the_accounting(tmp_path, monkeypatch):
     from lightning_sloth.quant import Linear4bit
 
     monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # main() sets it only where unset
     record = bench.main(
         ["step", "--shape", "tiny", "--tokens", "128", "--device", "cpu", "--lora-r", "4",
          "--mlp-chunk-tokens", "48", "--account"]
