@@ -161,3 +161,16 @@ def test_transform_model_sets_the_chunking():
     model = add_lora(tiny_llama(intermediate_size=INTERMEDIATE), r=4)
     transform_model(model, kernels=True)
     assert [mlp_chunk_tokens(m) for n, m in model.named_modules() if n.endswith(".mlp")] == ["auto"] * 2
+
+
+def test_memory_plan_counts_one_chunk_of_mlp_intermediates():
+    """The measured activations of a chunked MLP are its input; its backward's chunk of
+    intermediates (three ``[chunk, I]``) is the plan's workspace."""
+    model = add_lora(tiny_llama(intermediate_size=INTERMEDIATE), r=4)
+    apply_kernels(model, KernelSettings())
+    enable_packed_attention(model)
+    chunk_mlps(model, CHUNK)
+    ckpt = apply_checkpointing(model, memory_budget=1 << 40)
+    batch = packed_batch(random_documents(LENGTHS))
+    model.train()(**batch.model_inputs(), labels=batch.labels).loss.backward()
+    assert ckpt.workspace_bytes == 3 * CHUNK * INTERMEDIATE * 4

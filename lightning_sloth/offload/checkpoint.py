@@ -50,6 +50,7 @@ from lightning_sloth.ops.lora_groups import grouped_projections, shared_input_gr
 from lightning_sloth.ops.lora_layers import adapter_casts
 from lightning_sloth.ops.nf4 import scratch_bytes
 from lightning_sloth.patching import layer_output_unread, patched_op
+from lightning_sloth.patching.mlp_chunks import chunk_workspace_bytes
 from lightning_sloth.quant import Linear4bit
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,9 @@ class CheckpointedLayers:
         activation_bytes: measured bytes each layer saves without checkpointing (or ``None``).
         input_bytes: measured bytes of each layer's input (or ``None``).
         budget_bytes: the budget the plan was made for (or ``None``).
-        workspace_bytes: the 4-bit dequantisation buffer every layer's backward needs (the
-            largest 4-bit weight in the compute dtype; 0 without 4-bit layers), counted once.
+        workspace_bytes: what every layer's backward needs beyond its measured activations,
+            counted once: the 4-bit dequantisation buffer (the largest 4-bit weight in the compute
+            dtype) and one token chunk's MLP intermediates where the MLPs run in chunks.
     """
 
     def __init__(
@@ -363,7 +365,7 @@ class CheckpointedLayers:
     def _measure(self, index: int, forward, args: tuple) -> None:
         if index == 0:
             self._measured = []
-            self.workspace_bytes = self._dequant_workspace(args)
+            self.workspace_bytes = self._dequant_workspace(args) + self._chunk_workspace(args)
             self.budget_bytes = self._budget(args)
         # Parameters, buffers and the keyword tensors (rotary tables, packing metadata) are shared,
         # not activations of this layer. Buffers matter for 4-bit weights: the block scales and code
@@ -412,6 +414,15 @@ class CheckpointedLayers:
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
         return max(sizes) * torch.empty((), dtype=dtype).element_size()
 
+    def _chunk_workspace(self, args: tuple) -> int:
+        """One token chunk's MLP intermediates (the measured activations of a chunked MLP are its
+        input alone; its backward makes one chunk's intermediates at a time)."""
+        tensor = next(iter(_tensors(args)), None)
+        if tensor is None or not tensor.is_floating_point():
+            return 0
+        mlps = [m for m in self.model.modules() if patched_op(m) == "glu"]
+        return max((chunk_workspace_bytes(m, tensor) for m in mlps), default=0)
+
     def _budget(self, args: tuple) -> int | None:
         if self.memory_budget != "auto":
             return self.memory_budget
@@ -421,7 +432,7 @@ class CheckpointedLayers:
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         # The 4-bit layers' dequantisation buffer is made in the first forward, after this count.
-        pending = max(0, self.workspace_bytes - scratch_bytes())
+        pending = max(0, self._dequant_workspace(args) - scratch_bytes())
         # Still to come after the first forward: gradients and two fp32 optimizer states of the
         # trainable parameters (Adam-type), plus a tenth of the device for the loss and allocator slack.
         later = sum(

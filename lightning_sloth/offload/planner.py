@@ -8,8 +8,9 @@
 
 ``workspace_bytes`` is what any layer's backward needs on top of the activations whatever the
 plan: the dequantisation buffer of a 4-bit base (its largest weight in the compute dtype, one
-buffer shared by every layer: :func:`lightning_sloth.ops.nf4.scratch_bytes`). It shifts every
-checkpointed layer's backward peak, so it counts against the budget once, not per layer.
+buffer shared by every layer: :func:`lightning_sloth.ops.nf4.scratch_bytes`) and, where the MLPs
+run over token chunks, one chunk's intermediates. It shifts every checkpointed layer's backward
+peak, so it counts against the budget once, not per layer.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 __all__ = [
     "MLP_CHUNK_BYTES",
     "chunk_size_for",
+    "chunk_workspace_bytes",
     "chunked_rows",
     "mlp_chunk_tokens",
     "set_mlp_chunk_tokens",
@@ -115,6 +116,18 @@ def chunk_size_for(mlp: nn.Module, x: Tensor) -> int | None:
         size = setting
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return size if rows > size else None
+
+
+def chunk_workspace_bytes(mlp: nn.Module, x: Tensor) -> int:
+    """Bytes of one chunk's three ``[rows, I]`` intermediates for ``mlp(x)`` (0 when it runs
+    whole): what a chunked MLP's backward holds beyond the activations it saved."""
+    size, intermediate = chunk_size_for(mlp, x), _intermediate_size(mlp)
+    if size is None or intermediate is None:
+        return 0
+    device = x.device.type
+    autocast = device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    return 3 * size * intermediate * torch.empty((), dtype=dtype).element_size()
 
 
 def chunked_rows(
