@@ -6,6 +6,9 @@ Systems (each in its own process; the step loop, timing and memory accounting ar
     sloth_bf16         bf16 base weights, SlothStrategy(kernels=True) (our own 16-bit LoRA step)
     sloth_nf4          NF4 base weights (built directly in 4 bits on the GPU, layer by layer)
     sloth_nf4_offload  + activation offload ("on")
+    sloth_nf4_planned  + the memory plan: offload "auto", memory_budget="auto" (keep, recompute or
+                       offload per layer within the card's free memory, counting the 4-bit
+                       dequantisation buffer)
     hf_bnb_packed      transformers + PEFT + bitsandbytes: the same NF4 weights as bitsandbytes
                        Linear4bit layers, prepare_model_for_kbit_training, packed rows with SDPA
     hf_bnb_padded      the same, the ordinary recipe: padded micro-batches of 8 samples with SDPA
@@ -85,6 +88,7 @@ SYSTEMS = {
     "sloth_bf16": (sloth_system(False), packed_batches),
     "sloth_nf4": (sloth_system(True), packed_batches),
     "sloth_nf4_offload": (sloth_system(True, offload="on"), packed_batches),
+    "sloth_nf4_planned": (sloth_system(True, offload="auto", memory_budget="auto"), packed_batches),
     "hf_bnb_packed": (hf_bnb_system, packed_batches),
     "hf_bnb_padded": (hf_bnb_system, hf_padded_batches),
 }

@@ -279,7 +279,12 @@ def sloth_settings(sloth: DictConfig) -> dict[str, Any]:
         "moe": sloth.moe,
         "checkpoint_impl": sloth.checkpoint_impl,
         "cuda_graphs": sloth.cuda_graphs,
+        "mlp_chunk_tokens": _chunk_tokens(sloth.get("mlp_chunk_tokens", "auto")),
     }
+
+
+def _chunk_tokens(value: str | None) -> int | str | None:
+    return int(value) if value is not None and value != "auto" else value
 
 
 def builds_per_shard(cfg: DictConfig) -> bool:

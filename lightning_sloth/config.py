@@ -325,6 +325,9 @@ class SlothConfig:
             strategy's default: ``node``, and ``torch`` under ``sloth_fsdp``).
         cuda_graphs: replay each checkpointed layer's forward and recompute + backward as CUDA
             graphs (one device; the packed rows are padded to ``data.max_tokens``; no dropout).
+        mlp_chunk_tokens: run the gated MLPs over token chunks of this many rows, so their
+            ``[tokens, intermediate]`` tensors never exist whole: ``auto`` (chunks of 2 GiB of
+            intermediates, only past that length), a number of tokens, or null (never).
     """
 
     packed_attention: bool = True
@@ -338,6 +341,7 @@ class SlothConfig:
     moe: bool = True
     checkpoint_impl: str | None = None
     cuda_graphs: bool = False
+    mlp_chunk_tokens: str | None = "auto"
 
 
 @dataclass
@@ -558,6 +562,11 @@ def _check_sloth(sloth: DictConfig, errors: list[str]) -> None:
         )
     if sloth.get("cuda_graphs") and sloth.get("compile"):
         errors.append("sloth.cuda_graphs: excludes sloth.compile (choose one)")
+    chunk = sloth.get("mlp_chunk_tokens", "auto")
+    if chunk is not None and chunk != "auto" and not (str(chunk).isdigit() and int(chunk) > 0):
+        errors.append(
+            f"sloth.mlp_chunk_tokens: must be a positive number of tokens, 'auto' or null, got {chunk!r}"
+        )
     if sloth.get("checkpoint_impl") not in (None, "torch", "node"):
         errors.append(
             f"sloth.checkpoint_impl: must be 'torch', 'node' or null, got {sloth.checkpoint_impl!r}"

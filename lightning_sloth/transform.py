@@ -26,7 +26,7 @@ from torch import nn
 from lightning_sloth.attention import enable_packed_attention
 from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.offload import ActivationOffloader, apply_checkpointing
-from lightning_sloth.patching import KernelSettings, apply_experts, apply_kernels, compile_blocks
+from lightning_sloth.patching import KernelSettings, apply_experts, apply_kernels, chunk_mlps, compile_blocks
 
 __all__ = ["SlothReport", "transform_model"]
 
@@ -54,6 +54,7 @@ def transform_model(
     moe: bool = True,
     checkpoint_impl: str = "node",
     cuda_graphs: bool = False,
+    mlp_chunk_tokens: int | str | None = "auto",
 ) -> SlothReport:
     """Apply lightning_sloth's transformations to a transformers model, in place.
 
@@ -80,6 +81,10 @@ def transform_model(
         cuda_graphs: replay each checkpointed layer's forward and its recompute + backward as
             CUDA graphs (one device; static shapes: ``PackedCollator(pad_to="max_tokens",
             segments_bucket="pow2")``; no dropout). Needs ``gradient_checkpointing`` and the node.
+        mlp_chunk_tokens: run each patched gated MLP over token chunks of this many rows, in the
+            forward and the recompute, so its ``[tokens, intermediate]`` tensors never exist whole
+            (``"auto"``: chunks of 2 GiB of intermediates, only past that length; ``None``: never;
+            see ``lightning_sloth.patching.mlp_chunks``). Needs the GLU kernel (``kernels``).
     """
     report = SlothReport()
     hf_model = find_hf_model(model)
@@ -91,6 +96,8 @@ def transform_model(
             kernels = KernelSettings(**kernels)
         report.kernels = apply_kernels(hf_model, kernels)
         report.applied.append("kernels")
+        if chunk_mlps(hf_model, mlp_chunk_tokens) and mlp_chunk_tokens is not None:
+            report.applied.append(f"token-chunked MLPs ({mlp_chunk_tokens})")
     report.experts = apply_experts(hf_model, enabled=moe)
     if moe and report.experts.experts:
         report.applied.append("moe experts")

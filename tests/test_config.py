@@ -180,6 +180,7 @@ def test_unknown_group_option_lists_the_options(hydra_conf):
             "sloth.offload: needs sloth.gradient_checkpointing=true",
         ),
         (["sloth.checkpoint_impl=reentrant"], "sloth.checkpoint_impl: must be 'torch', 'node' or null"),
+        (["sloth.mlp_chunk_tokens=0"], "sloth.mlp_chunk_tokens: must be a positive number of tokens"),
         (["sloth.cuda_graphs=true", "trainer.devices=2"], r"sloth.cuda_graphs: runs on one device"),
         (
             ["sloth.cuda_graphs=true", "sloth.gradient_checkpointing=false"],
@@ -268,6 +269,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "moe": True,
         "checkpoint_impl": None,  # the strategy's default (node; torch's under sloth_fsdp)
         "cuda_graphs": False,
+        "mlp_chunk_tokens": "auto",
     }
     assert build.sloth_settings(make("sloth=off").sloth) == {
         "packed_attention": False,
@@ -279,6 +281,7 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
         "moe": False,
         "checkpoint_impl": None,
         "cuda_graphs": False,
+        "mlp_chunk_tokens": "auto",
     }
     tuned = make(
         "sloth.kernels=on",
@@ -306,6 +309,8 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
     assert build.sloth_settings(make("sloth.kernels=on").sloth)["kernels"] is True  # the default set
     assert build.sloth_settings(make("sloth.checkpoint_impl=torch").sloth)["checkpoint_impl"] == "torch"
     assert build.sloth_settings(make("sloth.cuda_graphs=true").sloth)["cuda_graphs"] is True
+    assert build.sloth_settings(make("sloth.mlp_chunk_tokens=8192").sloth)["mlp_chunk_tokens"] == 8192
+    assert build.sloth_settings(make("sloth.mlp_chunk_tokens=null").sloth)["mlp_chunk_tokens"] is None
     assert build.sloth_settings(make("sloth.kernels=on", "sloth.kernel_ops.add_rms_norm=false").sloth)[
         "kernels"
     ] == dict.fromkeys(["rms_norm", "rope", "glu", "cross_entropy", "lora"], True) | {"add_rms_norm": False}

@@ -48,7 +48,10 @@ from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
 from lightning_sloth.ops.lora_groups import grouped_projections, shared_input_groups
 from lightning_sloth.ops.lora_layers import adapter_casts
+from lightning_sloth.ops.nf4 import scratch_bytes
 from lightning_sloth.patching import layer_output_unread, patched_op
+from lightning_sloth.patching.mlp_chunks import chunk_workspace_bytes
+from lightning_sloth.quant import Linear4bit
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +203,9 @@ class CheckpointedLayers:
         activation_bytes: measured bytes each layer saves without checkpointing (or ``None``).
         input_bytes: measured bytes of each layer's input (or ``None``).
         budget_bytes: the budget the plan was made for (or ``None``).
+        workspace_bytes: what every layer's backward needs beyond its measured activations,
+            counted once: the 4-bit dequantisation buffer (the largest 4-bit weight in the compute
+            dtype) and one token chunk's MLP intermediates where the MLPs run in chunks.
     """
 
     def __init__(
@@ -230,6 +236,7 @@ class CheckpointedLayers:
         self.activation_bytes: list[int] | None = None
         self.input_bytes: list[int] | None = None
         self.budget_bytes: int | None = None
+        self.workspace_bytes = 0
         self._measured: list[tuple[int, int]] = []
         # One compiled entry shared by all layers: they run the same code, so Dynamo builds one
         # graph (module parameters are graph inputs), and the checkpoint and hooks stay eager.
@@ -358,6 +365,7 @@ class CheckpointedLayers:
     def _measure(self, index: int, forward, args: tuple) -> None:
         if index == 0:
             self._measured = []
+            self.workspace_bytes = self._dequant_workspace(args) + self._chunk_workspace(args)
             self.budget_bytes = self._budget(args)
         # Parameters, buffers and the keyword tensors (rotary tables, packing metadata) are shared,
         # not activations of this layer. Buffers matter for 4-bit weights: the block scales and code
@@ -395,6 +403,26 @@ class CheckpointedLayers:
             self.input_bytes = [i for _, i in self._measured]
             self.replan(self.budget_bytes)
 
+    def _dequant_workspace(self, args: tuple) -> int:
+        """Bytes of the dequantisation buffer the 4-bit layers share: their largest weight in the
+        compute dtype (autocast's, else the layer input's)."""
+        sizes = [m.out_features * m.in_features for m in self.model.modules() if isinstance(m, Linear4bit)]
+        tensor = next(iter(_tensors(args)), None)
+        if not sizes or tensor is None:
+            return 0
+        device = tensor.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
+        return max(sizes) * torch.empty((), dtype=dtype).element_size()
+
+    def _chunk_workspace(self, args: tuple) -> int:
+        """One token chunk's MLP intermediates (the measured activations of a chunked MLP are its
+        input alone; its backward makes one chunk's intermediates at a time)."""
+        tensor = next(iter(_tensors(args)), None)
+        if tensor is None or not tensor.is_floating_point():
+            return 0
+        mlps = [m for m in self.model.modules() if patched_op(m) == "glu"]
+        return max((chunk_workspace_bytes(m, tensor) for m in mlps), default=0)
+
     def _budget(self, args: tuple) -> int | None:
         if self.memory_budget != "auto":
             return self.memory_budget
@@ -403,6 +431,8 @@ class CheckpointedLayers:
             return None
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # The 4-bit layers' dequantisation buffer is made in the first forward, after this count.
+        pending = max(0, self._dequant_workspace(args) - scratch_bytes())
         # Still to come after the first forward: gradients and two fp32 optimizer states of the
         # trainable parameters (Adam-type), plus a tenth of the device for the loss and allocator slack.
         later = sum(
@@ -410,7 +440,7 @@ class CheckpointedLayers:
             for p in self.model.parameters()
             if p.requires_grad and p.grad is None
         )
-        return max(0, free + cached - later - total // 10)
+        return max(0, free + cached - later - pending - total // 10)
 
     def replan(self, budget_bytes: int | None) -> list[LayerMode]:
         """Re-plan from the measured bytes for ``budget_bytes`` (``None``: keep the leanest plan)."""
@@ -426,10 +456,11 @@ class CheckpointedLayers:
                 self.input_bytes,
                 budget_bytes,
                 offload=self.offloader is not None,
+                workspace_bytes=self.workspace_bytes,
             )
         if self.offloader is not None:
             self.offloader.activation_bytes_hint = max(self.activation_bytes)
-        peak = plan_peak_bytes(self.plan, self.activation_bytes, self.input_bytes)
+        peak = plan_peak_bytes(self.plan, self.activation_bytes, self.input_bytes, self.workspace_bytes)
         log.info(
             "layer plan for a %s-byte budget: %s (estimated activation peak %d bytes)",
             budget_bytes,

@@ -5,6 +5,12 @@
 - ``keep``: no checkpoint, the layer's activations stay on the device (fastest);
 - ``recompute``: checkpoint, the input stays on the device;
 - ``offload``: checkpoint, the input lives in host memory until the backward needs it.
+
+``workspace_bytes`` is what any layer's backward needs on top of the activations whatever the
+plan: the dequantisation buffer of a 4-bit base (its largest weight in the compute dtype, one
+buffer shared by every layer: :func:`lightning_sloth.ops.nf4.scratch_bytes`) and, where the MLPs
+run over token chunks, one chunk's intermediates. It shifts every checkpointed layer's backward
+peak, so it counts against the budget once, not per layer.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ def _per_layer(name: str, value: int | Sequence[int], num_layers: int) -> list[i
 
 
 def plan_peak_bytes(
-    plan: Sequence[LayerMode], act_bytes_per_layer: Sequence[int], input_bytes_per_layer: Sequence[int]
+    plan: Sequence[LayerMode],
+    act_bytes_per_layer: Sequence[int],
+    input_bytes_per_layer: Sequence[int],
+    workspace_bytes: int = 0,
 ) -> int:
     """Peak device bytes the layers' activations take under ``plan`` (the planner's memory model).
 
@@ -34,17 +43,21 @@ def plan_peak_bytes(
     resident bytes of layers below it, its own recomputed activations and, when layer ``i - 1``
     is offloaded, that layer's prefetched input::
 
-        peak = max(sum(resident), max_i(sum(resident[:i]) + act[i] + prefetch[i - 1]))
+        peak = max(sum(resident), max_i(sum(resident[:i]) + act[i] + prefetch[i - 1] + workspace))
 
     Args:
         plan: one mode per layer, in forward order.
         act_bytes_per_layer: bytes one layer saves for its backward without checkpointing
             (its input included).
         input_bytes_per_layer: bytes of one layer's input (what a checkpoint keeps).
+        workspace_bytes: transient bytes of any layer's backward outside its activations (the
+            4-bit dequantisation buffer).
 
     Returns:
         The peak in bytes.
     """
+    if workspace_bytes < 0:
+        raise ValueError(f"workspace_bytes must be non-negative, got {workspace_bytes}")
     resident = [
         act if mode == "keep" else inp if mode == "recompute" else 0
         for mode, act, inp in zip(plan, act_bytes_per_layer, input_bytes_per_layer)
@@ -53,7 +66,7 @@ def plan_peak_bytes(
     for i, mode in enumerate(plan):
         if mode != "keep":
             prefetch = input_bytes_per_layer[i - 1] if i > 0 and plan[i - 1] == "offload" else 0
-            peak = max(peak, below + act_bytes_per_layer[i] + prefetch)
+            peak = max(peak, below + act_bytes_per_layer[i] + prefetch + workspace_bytes)
         below += resident[i]
     return peak
 
@@ -70,6 +83,7 @@ def plan_layers(
     budget_bytes: int,
     *,
     offload: bool = True,
+    workspace_bytes: int = 0,
 ) -> list[LayerMode]:
     """Choose keep / recompute / offload per layer so the activations fit ``budget_bytes``.
 
@@ -87,6 +101,8 @@ def plan_layers(
         input_bytes_per_layer: bytes of each layer's input (one value, or one per layer).
         budget_bytes: device bytes the layers' activations may take.
         offload: allow ``"offload"`` (an offloader is available).
+        workspace_bytes: transient bytes of any layer's backward outside its activations
+            (:func:`plan_peak_bytes`).
 
     Returns:
         One of ``"keep"``, ``"recompute"``, ``"offload"`` per layer, in forward order.
@@ -99,7 +115,9 @@ def plan_layers(
 
     def upgrade(i: int, mode: LayerMode) -> None:
         previous, plan[i] = plan[i], mode
-        if plan_peak_bytes(plan, act, inp) > budget_bytes or _last_checkpointed_is_offloaded(plan):
+        if plan_peak_bytes(plan, act, inp, workspace_bytes) > budget_bytes or _last_checkpointed_is_offloaded(
+            plan
+        ):
             plan[i] = previous
 
     for i in reversed(range(num_layers - 1)):

@@ -11,8 +11,11 @@ The tokens are processed in chunks of ``chunk_size`` rows::
 Because the loss is the op's only output, its gradients are computed eagerly in the forward pass,
 while each chunk's logits are still at hand, and the backward only multiplies them by the incoming
 gradient. When no gradient is wanted (eval, ``torch.no_grad``, frozen inputs) the forward skips the
-gradient work. Peak memory is one chunk of logits (at most :data:`LOGITS_CHUNK_ELEMENTS`) plus the
-gradients, whatever N is.
+gradient work. Peak memory is one chunk of logits (at most :data:`LOGITS_CHUNK_ELEMENTS`, or the
+rows a ``chunk_bytes`` budget allows) plus the gradients, whatever N is. Nothing holds the
+vocabulary in float32 but the weight's own gradient accumulator, and only when the lm head trains;
+hidden's gradient is written chunk by chunk into one ``[N, H]`` buffer (outside torch.compile: a
+concatenation would hold the chunks and the result at once, twice ``[N, H]`` at the end).
 
 The saved gradients are those of the *summed* loss; the ``1 / count`` of the mean is applied in the
 backward, in fp32, together with the incoming gradient. In float16, ``p / count`` per logit would
@@ -34,6 +37,7 @@ if TRITON_OPS:
 __all__ = [
     "IGNORE_INDEX",
     "LOGITS_CHUNK_ELEMENTS",
+    "chunk_size_for_bytes",
     "default_chunk_size",
     "linear_cross_entropy",
     "shift_labels",
@@ -53,6 +57,14 @@ def default_chunk_size(vocab_size: int, max_elements: int = LOGITS_CHUNK_ELEMENT
     """
     rows = max(1, max_elements // max(1, vocab_size))
     return rows - rows % 64 if rows >= 64 else rows
+
+
+def chunk_size_for_bytes(vocab_size: int, chunk_bytes: int, dtype: torch.dtype) -> int:
+    """Rows per chunk so that one chunk of logits in ``dtype`` takes at most ``chunk_bytes`` (the
+    Triton row kernel works in place; the CPU reference adds float32 copies of the chunk)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+    return default_chunk_size(vocab_size, chunk_bytes // torch.empty((), dtype=dtype).element_size())
 
 
 def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -119,9 +131,11 @@ def _chunked_linear_cross_entropy(
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     compute_grad = grad_hidden or grad_weight or grad_bias
     loss = torch.zeros((), dtype=acc_dtype, device=device)
-    # Chunks of d hidden are concatenated at the end rather than written into slices of one buffer:
-    # under torch.compile that stays a single copy instead of a scatter per chunk.
+    # Under torch.compile chunks of d hidden are concatenated at the end (one copy instead of a
+    # scatter per chunk); otherwise each is written into one buffer as it is made.
+    concatenate = torch.compiler.is_compiling()
     d_hidden_chunks = []
+    d_hidden_buffer = hidden.new_empty(hidden.shape) if grad_hidden and not concatenate else None
     d_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=device) if grad_weight else None
     d_bias = torch.zeros(weight.shape[0], dtype=acc_dtype, device=device) if grad_bias else None
 
@@ -134,7 +148,9 @@ def _chunked_linear_cross_entropy(
         rows = rows_fn(logits, targets[start : start + chunk_size], ignore_index, softcap, compute_grad)
         loss = loss + rows.sum(dtype=acc_dtype)
         # From here on ``logits`` holds d (sum of row losses) / d logits.
-        if grad_hidden:
+        if d_hidden_buffer is not None:
+            torch.mm(logits, weight, out=d_hidden_buffer[start : start + chunk_size])
+        elif grad_hidden:
             d_hidden_chunks.append(logits @ weight)
         if d_weight is not None:
             if d_weight.dtype == logits.dtype:
@@ -155,6 +171,8 @@ def _chunked_linear_cross_entropy(
 
     if not grad_hidden:
         d_hidden = hidden.new_empty(0)
+    elif d_hidden_buffer is not None:
+        d_hidden = d_hidden_buffer
     elif len(d_hidden_chunks) == 1:
         d_hidden = d_hidden_chunks[0]
     elif d_hidden_chunks:
@@ -242,8 +260,23 @@ def _backward(ctx, grad_loss, *_unused):
                 f"sloth::linear_cross_entropy was called with grad_{name}=False but {name} needs a "
                 "gradient; call it through linear_cross_entropy(), which sets the flags"
             )
-        grads.append((d_input.to(scale.dtype) * scale).to(dtype) if needed else None)
+        grads.append(_scaled(d_input, scale, dtype) if needed else None)
     return (*grads, *([None] * 9))
+
+
+_SCALE_ROWS = 8192
+"""Rows scaled at a time in the backward: the float32 copy of a gradient is one slice at a time."""
+
+
+def _scaled(d_input: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``d_input * scale`` in ``scale``'s (float32) precision, rounded to ``dtype``; a long
+    ``[N, H]`` gradient is scaled in row slices, so its float32 copy never exists whole."""
+    if d_input.dim() != 2 or d_input.shape[0] <= _SCALE_ROWS or d_input.dtype == scale.dtype:
+        return (d_input.to(scale.dtype) * scale).to(dtype)
+    out = torch.empty(d_input.shape, dtype=dtype, device=d_input.device)
+    for start in range(0, d_input.shape[0], _SCALE_ROWS):
+        out[start : start + _SCALE_ROWS] = d_input[start : start + _SCALE_ROWS].to(scale.dtype) * scale
+    return out
 
 
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -309,6 +342,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     num_items_in_batch: Tensor | int | None = None,
     chunk_size: int | None = None,
+    chunk_bytes: int | None = None,
 ) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without the full logits.
 
@@ -336,6 +370,8 @@ def linear_cross_entropy(
             the number of target tokens over all gradient-accumulation micro-batches, as in
             transformers' ``ForCausalLMLoss``.
         chunk_size: Rows per chunk; default :func:`default_chunk_size` of V.
+        chunk_bytes: Instead of ``chunk_size``, the most bytes one chunk of logits may take
+            (:func:`chunk_size_for_bytes`).
 
     Returns:
         0-d loss, float32 (float64 for float64 inputs).
@@ -346,6 +382,10 @@ def linear_cross_entropy(
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     _check_inputs(hidden, weight, targets, bias, reduction, num_items_in_batch, softcap, chunk_size)
+    if chunk_bytes is not None:
+        if chunk_size is not None:
+            raise ValueError("pass chunk_size or chunk_bytes, not both")
+        chunk_size = chunk_size_for_bytes(weight.shape[0], chunk_bytes, hidden.dtype)
 
     if num_items_in_batch is not None:
         num_items_in_batch = torch.as_tensor(num_items_in_batch, device=hidden.device).reshape(())

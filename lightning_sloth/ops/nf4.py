@@ -3,7 +3,8 @@
 
 The 4-bit weight (NF4/FP4 codes, two per byte, float32 block scales: the bitsandbytes layout, see
 ``lightning_sloth.ops.nf4_formats``) is frozen. The LoRA layer dequantises it into a scratch buffer
-that is reused by every call of the same shape, dtype and device, then runs the same products as
+shared by every call of the same dtype and device (one flat buffer, the size of the largest
+weight), then runs the same products as
 ``sloth::lora_linear``::
 
     forward   W  = dequant(packed)                     [out, in]  (scratch, never saved)
@@ -53,7 +54,15 @@ if TRITON_OPS:
     from lightning_sloth.kernels import nf4 as _kernels
     from lightning_sloth.kernels import nf4_gemm as _gemm_kernels
 
-__all__ = ["FUSED_MAX_ROWS", "dequantize_4bit", "dequantize_4bit_into", "lora_linear_4bit", "matmul_4bit"]
+__all__ = [
+    "FUSED_MAX_ROWS",
+    "dequantize_4bit",
+    "dequantize_4bit_into",
+    "lora_linear_4bit",
+    "matmul_4bit",
+    "release_scratch",
+    "scratch_bytes",
+]
 
 FUSED_MAX_ROWS = 0
 """Rows (tokens) up to which the 4-bit base product decodes inside the GEMM instead of a buffer +
@@ -80,18 +89,31 @@ def dequantize_4bit_into(packed: Tensor, absmax: Tensor, code: Tensor, blocksize
     return out.copy_((code[codes] * scales).view(out.shape))
 
 
-_SCRATCH: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
+_SCRATCH: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 
 def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The reusable ``[rows, cols]`` dequantisation buffer (a fresh one while tracing)."""
+    """A ``[rows, cols]`` dequantisation buffer (a fresh one while tracing).
+
+    Every use is a view at the start of one flat buffer per dtype and device: a dequantised weight
+    lives only between its decode and the product that reads it, one at a time on the stream, so
+    all the shapes of a model (q/k/v/o, gate/up, down; the experts of a layer) share the bytes of
+    its largest, instead of each shape keeping its own. The buffer grows to the largest use seen.
+    """
     if tracing():
         return torch.empty(rows, cols, dtype=dtype, device=device)
-    key = (rows, cols, dtype, device)
+    key = (dtype, device)
     buffer = _SCRATCH.get(key)
-    if buffer is None:
-        buffer = _SCRATCH[key] = torch.empty(rows, cols, dtype=dtype, device=device)
-    return buffer
+    if buffer is None or buffer.numel() < rows * cols:
+        _SCRATCH.pop(key, None)  # the old bytes go back before the larger buffer is made
+        del buffer
+        buffer = _SCRATCH[key] = torch.empty(rows * cols, dtype=dtype, device=device)
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def scratch_bytes() -> int:
+    """Bytes the dequantisation buffers hold now (all dtypes and devices)."""
+    return sum(t.numel() * t.element_size() for t in _SCRATCH.values())
 
 
 def release_scratch() -> None:

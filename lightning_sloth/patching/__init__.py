@@ -10,10 +10,18 @@ Which module class gets which op is one table, :data:`FAMILIES` (``families.py``
 forwards, one per op, are in ``_forwards.py``; the support matrix the docs show is generated from the
 table and the tests (``support.py``). Other rooms read what is installed through
 :func:`patched_op`, and tell the patched decoder layers that their output goes unread (a
-checkpoint's recompute) with :func:`layer_output_unread`.
+checkpoint's recompute) with :func:`layer_output_unread`. :func:`chunk_mlps` runs the patched gated
+MLPs over token chunks at long sequences (``mlp_chunks.py``).
 """
 
-from lightning_sloth.patching._apply import OPS, KernelSettings, PatchReport, apply_kernels, unpatch
+from lightning_sloth.patching._apply import (
+    OPS,
+    KernelSettings,
+    PatchReport,
+    apply_kernels,
+    chunk_mlps,
+    unpatch,
+)
 from lightning_sloth.patching._forwards import layer_output_unread, patched_op, takes_target_count
 from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
 from lightning_sloth.patching.experts import ExpertsReport, apply_experts, moe_families
@@ -31,6 +39,7 @@ __all__ = [
     "SupportRow",
     "apply_experts",
     "apply_kernels",
+    "chunk_mlps",
     "compile_blocks",
     "decoder_blocks",
     "layer_output_unread",

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
 from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
+from lightning_sloth.patching.mlp_chunks import set_mlp_chunk_tokens
 
 log = logging.getLogger(__name__)
 
@@ -319,3 +320,9 @@ def unpatch(model: nn.Module) -> int:
         How many modules were restored.
     """
     return sum(_forwards.restore(module) for module in model.modules())
+
+
+def chunk_mlps(model: nn.Module, tokens: int | str | None) -> int:
+    """Run every patched gated MLP of ``model`` over token chunks (``tokens`` rows, ``"auto"`` or
+    ``None`` for never; see :mod:`lightning_sloth.patching.mlp_chunks`); returns how many MLPs."""
+    return set_mlp_chunk_tokens([m for m in model.modules() if _forwards.patched_op(m) == "glu"], tokens)

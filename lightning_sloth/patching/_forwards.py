@@ -41,6 +41,11 @@ from lightning_sloth.ops.rms_norm import add_rms_norm, rms_norm
 from lightning_sloth.ops.rope import apply_rope
 from lightning_sloth.patching._rebuild import rebuild_with_globals
 from lightning_sloth.patching.families import Family, GluLayout, NormStyle, RopeForm, RopeLayout
+from lightning_sloth.patching.mlp_chunks import (
+    chunk_size_for,
+    token_chunked,
+    unread_chunked,
+)
 from lightning_sloth.quant.lora import lora_4bit_forward
 
 log = logging.getLogger(__name__)
@@ -233,6 +238,9 @@ def _hooked(module: nn.Module) -> bool:
 
 def _gated_mlp_for_gradients(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + mlp(x)`` for a backward only (see :func:`layer_output_unread`)."""
+    size = chunk_size_for(mlp, x) if patched_op(mlp) == "glu" else None
+    if size is not None:  # token chunks: the recompute computes no MLP rows (mlp_chunks.py)
+        return unread_chunked(mlp, x, residual, size, _gated_mlp_for_gradients)
     activation = _GLU_ACTIVATIONS.get(getattr(mlp.__dict__.get("forward"), "__func__", None))
     down = getattr(mlp, "down_proj", None)
     if activation is None or _hooked(mlp) or patched_op(down) != "lora" or _hooked(down):
@@ -257,6 +265,7 @@ def _project_fresh(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @_op_forward("glu")
+@token_chunked
 def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused activation.
 
@@ -269,6 +278,7 @@ def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @_op_forward("glu")
+@token_chunked
 def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` with the fused activation (in-place backward,
     as in :func:`swiglu_mlp_forward`)."""
@@ -276,6 +286,7 @@ def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @_op_forward("glu")
+@token_chunked
 def fused_swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Phi-3's MLP, ``down_proj(silu(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2)``: the
     halves are views of one fresh output, which the activation's backward overwrites in place."""
@@ -284,6 +295,7 @@ def fused_swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @_op_forward("glu")
+@token_chunked
 def fused_geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """:func:`fused_swiglu_mlp_forward` with ``gelu_tanh``."""
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -459,13 +471,14 @@ def target_rows(
     ``count`` is a host int (``PackedBatch.num_target_tokens``), so nothing reads device memory: the
     rows come from a stable sort of the ignore mask. A ``count`` above the true number keeps some
     ignored rows (no effect on the loss); one below it would drop targets, which a device-side
-    assert refuses (the next row in the order must be an ignored one).
+    assert refuses (the next row in the order must be an ignored one). Where at most 1/64 of the rows
+    are ignored, every row is kept: a few more logits rather than a ``[count, H]`` copy of hidden.
     """
     flat_targets = targets.reshape(-1)
     rows = flat_targets.numel()
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise TypeError(f"num_target_tokens must be a non-negative Python int, got {count!r}")
-    if count >= rows:
+    if count >= rows - rows // 64:
         return hidden, targets
     order = torch.sort((flat_targets == ignore_index).to(torch.uint8), stable=True).indices
     # Every target row sorts first; the row after the kept ones must be an ignored one. (A 1-element

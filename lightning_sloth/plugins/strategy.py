@@ -64,6 +64,7 @@ class _SlothSetup:
         moe: bool = True,
         checkpoint_impl: str | None = None,
         cuda_graphs: bool = False,
+        mlp_chunk_tokens: int | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -84,6 +85,7 @@ class _SlothSetup:
             moe=moe,
             checkpoint_impl=checkpoint_impl,
             cuda_graphs=cuda_graphs,
+            mlp_chunk_tokens=mlp_chunk_tokens,
         )
         self.offloader = None
         self.sloth_report: SlothReport | None = None
@@ -134,6 +136,8 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
             ``"torch"``.
         cuda_graphs: replay each checkpointed layer's passes as CUDA graphs (static shapes, no
             dropout; see :mod:`lightning_sloth.offload.graphs`).
+        mlp_chunk_tokens: gated MLPs over token chunks of this many rows at long sequences
+            (``"auto"``, an int, or ``None``; see :mod:`lightning_sloth.patching.mlp_chunks`).
         device: the device; by default the one the Trainer's accelerator picks.
 
     See :func:`transform_model` for the order the transformations are applied in.

@@ -1,0 +1,162 @@
+"""What a step holds: the loss's tensors, the shared dequantisation buffer, the memory plan's
+workspace on 4-bit bases (counted by tensor sizes and fake budgets, never by time)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import add_lora, packed_batch, random_documents, tiny_llama
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_sloth.offload import apply_checkpointing, plan_layers, plan_peak_bytes
+from lightning_sloth.ops import nf4
+from lightning_sloth.ops.linear_cross_entropy import (
+    _chunked_linear_cross_entropy,
+    _cross_entropy_rows_reference_,
+    chunk_size_for_bytes,
+    linear_cross_entropy,
+)
+from lightning_sloth.quant import Linear4bit, quantize_model
+
+
+class _Outputs(TorchDispatchMode):
+    """Every tensor an op makes: ``(op name, shape, dtype)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [
+            (str(func), tuple(t.shape), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+        ]
+        return out
+
+
+# ------------------------------------------------------------------------------------------ loss
+N, H, V, CHUNK = 150, 24, 97, 32
+
+
+def test_loss_writes_hidden_gradient_into_one_buffer_and_no_full_vocab_float32():
+    """Frozen lm head (LoRA): no tensor of a chunk's logits above CHUNK rows, no ``[V, H]`` float32
+    accumulator, no concatenation of hidden's gradient (one ``[N, H]`` tensor made, not two)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(N, H, dtype=torch.float32)
+    weight = torch.randn(V, H, dtype=torch.float32)
+    targets = torch.randint(0, V, (N,))
+    with _Outputs() as outputs:
+        loss, d_hidden, d_weight, _, scale = _chunked_linear_cross_entropy(
+            hidden, weight, None, targets, None, -100, None, "mean", CHUNK,
+            True, False, False, _cross_entropy_rows_reference_,
+        )  # fmt: skip
+    shapes = [shape for _, shape, _ in outputs.made]
+    assert max(s[0] * s[1] for s in shapes if len(s) == 2 and s[1] == V) <= CHUNK * V
+    assert (V, H) not in shapes and d_weight.numel() == 0
+    assert shapes.count((N, H)) == 1 and not any(op.startswith("aten.cat") for op, _, _ in outputs.made)
+    hidden.requires_grad_()
+    want = F.cross_entropy(hidden @ weight.t(), targets)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(d_hidden * scale, hidden.grad)
+
+
+def test_loss_chunk_bytes_bounds_one_chunk():
+    assert chunk_size_for_bytes(128256, 2**28, torch.bfloat16) == 1024
+    assert chunk_size_for_bytes(128256, 2**28, torch.float32) == 512
+    assert chunk_size_for_bytes(V, 10 * V * 4, torch.float32) == 10
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        chunk_size_for_bytes(V, 0, torch.float32)
+    torch.manual_seed(1)
+    hidden = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64)
+    targets = torch.randint(0, V, (N,))
+    got = linear_cross_entropy(hidden, weight, targets, chunk_bytes=7 * V * 8)  # 7 rows a chunk
+    (grad,) = torch.autograd.grad(got, hidden)
+    want = F.cross_entropy(hidden @ weight.t(), targets)
+    (want_grad,) = torch.autograd.grad(want, hidden)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, want_grad)
+    with pytest.raises(ValueError, match="not both"):
+        linear_cross_entropy(hidden, weight, targets, chunk_bytes=100, chunk_size=3)
+
+
+# ------------------------------------------------------------------------- dequantisation buffer
+def test_every_4bit_shape_shares_one_buffer_the_size_of_the_largest():
+    """q/k/v/o, gate/up and down of a 4-bit model decode into views of one flat buffer."""
+    nf4.release_scratch()
+    model = add_lora(tiny_llama(intermediate_size=96), r=4)
+    quantize_model(model, "nf4")
+    batch = packed_batch(random_documents([9, 14]))
+    model.train()
+    model(**batch.model_inputs(), labels=batch.labels).loss.backward()
+    largest = max(m.out_features * m.in_features for m in model.modules() if isinstance(m, Linear4bit))
+    assert nf4.scratch_bytes() == largest * 4  # float32 compute here
+    a = nf4._scratch(3, 5, torch.float32, torch.device("cpu"))
+    b = nf4._scratch(64, 96, torch.float32, torch.device("cpu"))
+    assert a.data_ptr() == b.data_ptr() and b.shape == (64, 96)
+    nf4.release_scratch()
+    assert nf4.scratch_bytes() == 0
+
+
+# ---------------------------------------------------------------------------------- memory plan
+def test_plan_counts_the_workspace_once():
+    act, inp, n = 100, 10, 6
+    leanest = ["offload"] * 5 + ["recompute"]
+    assert plan_peak_bytes(leanest, [act] * n, [inp] * n, workspace_bytes=50) == 110 + 50
+    # With the workspace, the budget that kept the last layer and recomputed layer 4 now does not.
+    assert plan_layers(n, act, inp, 110) == ["offload"] * 4 + ["recompute", "keep"]
+    assert plan_layers(n, act, inp, 110, workspace_bytes=50) == leanest
+    assert plan_layers(n, act, inp, 160, workspace_bytes=50) == ["offload"] * 4 + ["recompute", "keep"]
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        plan_peak_bytes(leanest, [act] * n, [inp] * n, workspace_bytes=-1)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_measured_plan_on_a_4bit_base_counts_the_dequant_buffer(quantize):
+    """The controller measures the same activations for a 4-bit base, adds its largest weight in
+    the compute dtype as workspace, and plans with it (a fake budget just short of keeping all)."""
+    model = add_lora(tiny_llama(intermediate_size=96), r=4)
+    if quantize:
+        quantize_model(model, "nf4")
+    ckpt = apply_checkpointing(model, memory_budget=1 << 40)
+    batch = packed_batch(random_documents([20, 33]))
+    model.train()
+    model(**batch.model_inputs(), labels=batch.labels).loss.backward()
+    want = 64 * 96 * 4 if quantize else 0
+    assert ckpt.workspace_bytes == want
+    assert ckpt.plan == ["keep", "keep"]
+    act, inp = ckpt.activation_bytes, ckpt.input_bytes
+    all_kept = plan_peak_bytes(["keep", "keep"], act, inp, want)
+    plan = ckpt.replan(all_kept + want - 1 if quantize else all_kept - 1)
+    assert plan_peak_bytes(plan, act, inp, want) <= all_kept + want
+    if quantize:  # the same budget without the workspace keeps both layers
+        assert plan_layers(2, act, inp, all_kept + want - 1, offload=False) == ["keep", "keep"]
+        assert plan == plan_layers(2, act, inp, all_kept + want - 1, offload=False, workspace_bytes=want)
+
+
+def test_backward_scales_a_long_gradient_in_float32_slices():
+    """The mean's 1/count is applied in float32 without a float32 copy of the whole ``[N, H]``."""
+    from lightning_sloth.ops.linear_cross_entropy import _SCALE_ROWS, _scaled
+
+    n = _SCALE_ROWS * 2 + 5
+    d = torch.randn(n, 3).to(torch.bfloat16)
+    scale = torch.tensor(1 / 3, dtype=torch.float32)
+    with _Outputs() as outputs:
+        got = _scaled(d, scale, torch.bfloat16)
+    assert not any(shape == (n, 3) and dtype == torch.float32 for _, shape, dtype in outputs.made)
+    assert torch.equal(got, (d.float() * scale).to(torch.bfloat16))
+
+
+def test_loss_keeps_every_row_when_few_are_ignored():
+    """A long sequence with a handful of ignored rows: hidden itself, no ``[count, H]`` copy."""
+    from lightning_sloth.patching._forwards import target_rows
+
+    hidden = torch.randn(1, 640, 8)
+    targets = torch.randint(0, 5, (1, 640))
+    targets[0, ::128] = -100  # 5 ignored rows, under 640 // 64
+    rows, kept = target_rows(hidden, targets, 635)
+    assert rows is hidden and kept is targets
+    targets[0, :20] = -100  # 24 ignored: the selection pays
+    rows, kept = target_rows(hidden, targets, 616)
+    assert rows.shape == (616, 8) and bool((kept != -100).all())
