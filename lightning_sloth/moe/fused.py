@@ -223,24 +223,23 @@ def _gather_backward_op(
     need_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx [T, K], dW, dA, dB)``; dx sums each token's k rows (written in slot order) in fp32."""
-    empty = grad.new_empty(0)
     rank = lora_a.shape[1]
     g = _mm(grad, lora_b, ends, w_is_kn=True) * scale if rank and (need_x or need_a) else None  # [S, r]
-    dx = empty
+    dx = grad.new_empty(0)
     if need_x:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
         rows = _gemm(grad, w, ends, not transposed, out_idx=perm)  # slot order [S, K]
         if g is not None:
             _gemm(g, lora_a, ends, True, out=rows, out_idx=perm)
         dx = _slot_sum(rows, top_k, None)
-    dw = empty
+    dw = grad.new_empty(0)
     if need_w:
         if transposed:  # [E, K, N] = x_rows^T grad
             dw = _wgrad(x, grad, ends, a_idx=perm, a_div=top_k)
         else:  # [E, N, K] = grad^T x_rows
             dw = _wgrad(grad, x, ends, b_idx=perm, b_div=top_k)
-    da = _wgrad(g, x, ends, b_idx=perm, b_div=top_k) if need_a and rank else empty
-    db = _weight_grad(grad, xa * scale, ends) if need_b and rank else empty
+    da = _wgrad(g, x, ends, b_idx=perm, b_div=top_k) if need_a and rank else grad.new_empty(0)
+    db = _weight_grad(grad, xa * scale, ends) if need_b and rank else grad.new_empty(0)
     return dx, dw, da, db
 
 
@@ -249,12 +248,11 @@ def _gather_backward_fake(
     grad, x, xa, perm, top_k, weight, absmax, code, blocksize, shape, lora_a, lora_b, scale, ends,
     transposed, need_x, need_w, need_a, need_b,
 ):  # fmt: skip
-    empty = grad.new_empty(0)
     return (
-        x.new_empty(x.shape) if need_x else empty,
-        weight.new_empty(weight.shape) if need_w else empty,
-        lora_a.new_empty(lora_a.shape) if need_a and lora_a.shape[1] else empty,
-        lora_b.new_empty(lora_b.shape) if need_b and lora_a.shape[1] else empty,
+        x.new_empty(x.shape) if need_x else grad.new_empty(0),
+        weight.new_empty(weight.shape) if need_w else grad.new_empty(0),
+        lora_a.new_empty(lora_a.shape) if need_a and lora_a.shape[1] else grad.new_empty(0),
+        lora_b.new_empty(lora_b.shape) if need_b and lora_a.shape[1] else grad.new_empty(0),
     )
 
 
@@ -409,29 +407,28 @@ def _combine_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(da [S, K], dweights [T, k], dW, dA, dB)``: row s of the output gradient is read as
     ``grad[perm[s] // k] * weights.flat[perm[s]]``, never gathered."""
-    empty = grad.new_empty(0)
     rank = lora_a.shape[1]
     flat = None if weights is None else weights.reshape(-1)
     rows = dict(a_idx=perm, div=top_k, scale=flat)
     g = None
     if rank and (need_in or need_a):
         g = _gemm(grad, lora_b, ends, True, **rows) * scale  # [S, r]
-    da_in = empty
+    da_in = grad.new_empty(0)
     if need_in:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
         da_in = _gemm(grad, w, ends, not transposed, **rows)
         if g is not None:
             _mm_into(da_in, g, lora_a, ends, w_is_kn=True)
-    dweights = _slot_dot(grad, y, top_k).to(weights.dtype) if need_weights else empty
+    dweights = _slot_dot(grad, y, top_k).to(weights.dtype) if need_weights else grad.new_empty(0)
     idx = dict(a_idx=perm, a_div=top_k, a_scale=flat)
-    dw = empty
+    dw = grad.new_empty(0)
     if need_w:
         if transposed:  # [E, K, N] = a^T grad_rows
             dw = _wgrad(a, grad, ends, b_idx=perm, b_div=top_k, b_scale=flat)
         else:  # [E, N, K] = grad_rows^T a
             dw = _wgrad(grad, a, ends, **idx)
-    dA = _weight_grad(g, a, ends) if need_a and rank else empty  # noqa: N806
-    dB = _wgrad(grad, xa * scale, ends, **idx) if need_b and rank else empty  # noqa: N806
+    dA = _weight_grad(g, a, ends) if need_a and rank else grad.new_empty(0)  # noqa: N806
+    dB = _wgrad(grad, xa * scale, ends, **idx) if need_b and rank else grad.new_empty(0)  # noqa: N806
     return da_in, dweights, dw, dA, dB
 
 
@@ -440,14 +437,13 @@ def _combine_backward_fake(
     grad, a, y, xa, weights, perm, top_k, weight, absmax, code, blocksize, shape, lora_a, lora_b, scale, ends,
     transposed, need_in, need_weights, need_w, need_a, need_b,
 ):  # fmt: skip
-    empty = grad.new_empty(0)
     rank = lora_a.shape[1]
     return (
-        a.new_empty(a.shape) if need_in else empty,
-        weights.new_empty(weights.shape) if need_weights else empty,
-        weight.new_empty(weight.shape) if need_w else empty,
-        lora_a.new_empty(lora_a.shape) if need_a and rank else empty,
-        lora_b.new_empty(lora_b.shape) if need_b and rank else empty,
+        a.new_empty(a.shape) if need_in else grad.new_empty(0),
+        weights.new_empty(weights.shape) if need_weights else grad.new_empty(0),
+        weight.new_empty(weight.shape) if need_w else grad.new_empty(0),
+        lora_a.new_empty(lora_a.shape) if need_a and rank else grad.new_empty(0),
+        lora_b.new_empty(lora_b.shape) if need_b and rank else grad.new_empty(0),
     )
 
 
@@ -497,10 +493,9 @@ def _combine_backward(ctx, grad, _grad_y, _grad_xa):
     grad = grad.contiguous()
     d_in = dweights = dw = da = db = None
     if need_in or need_weights or need_w or need_a or need_b:
-        empty = grad.new_empty((0, ctx.a_shape[1]))
         d_in, dweights, dw, da, db = call(
             _combine_backward_op,
-            grad, a if a is not None else empty, y if y is not None else empty, xa, weights, perm, ctx.top_k,
+            grad, a if a is not None else grad.new_empty((0, ctx.a_shape[1])), y if y is not None else grad.new_empty(0), xa, weights, perm, ctx.top_k,
             weight, absmax, code, ctx.blocksize, ctx.shape, lora_a, lora_b, ctx.scale, ends, ctx.transposed,
             need_in, need_weights, need_w, need_a, need_b,
         )  # fmt: skip
