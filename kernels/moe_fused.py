@@ -30,17 +30,21 @@ import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
 from lightning_sloth.kernels.moe import _ROW_BLOCK, _tile_table
 
-__all__ = ["grouped_mm", "grouped_mm_weight_grad", "slot_dot", "slot_sum"]
+__all__ = ["TILES", "grouped_mm", "grouped_mm_weight_grad", "slot_dot", "slot_sum"]
+
+TILES: tuple[int, int, int, int, int] | None = None
+"""``(BM, BN, BK, num_warps, num_stages)`` for 16-bit CUDA operands instead of the built-in choice
+(a benchmark's sweep sets it; None keeps the default)."""
 
 
 def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> tuple[int, int, int, int, int]:
     """``(BM, BN, BK, num_warps, num_stages)``: Hopper-sized tiles for 16-bit CUDA operands, small ones
     elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side."""
     big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    bm, bn, bk = (128, 128, 64) if big else (64, 64, 32)
+    bm, bn, bk, warps, stages = (TILES or (128, 128, 64, 8, 3)) if big else (64, 64, 32, 4, 2)
     bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
     bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
-    return bm, bn, bk, (8 if big else 4), (3 if big else 2)
+    return bm, bn, bk, warps, stages
 
 
 @triton.jit
