@@ -37,20 +37,14 @@ import os
 import torch
 from torch import Tensor
 
-from lightning_sloth.moe.gemm import _mm, _mm_into, _weight_grad, grouped_mm_reference
-from lightning_sloth.moe.quant import _weight as _dequantized
-from lightning_sloth.ops.registry import (
-    TRITON_OPS,
-    call,
-    register_autograd,
-    register_flops,
-    sloth_op,
-    use_triton,
-)
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if TRITON_OPS or _INTERPRETED:
-    from lightning_sloth.kernels import moe_fused as _kernels
+from lightning_sloth.moe.gemm import _mm, _mm_into, _weight_grad
+from lightning_sloth.moe.indexed import bias_grad as _bias_grad
+from lightning_sloth.moe.indexed import expert_weight as _weight
+from lightning_sloth.moe.indexed import indexed_grouped_mm as _gemm
+from lightning_sloth.moe.indexed import indexed_weight_grad as _wgrad
+from lightning_sloth.moe.indexed import slot_dot as _slot_dot
+from lightning_sloth.moe.indexed import slot_sum as _slot_sum
+from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
 __all__ = [
     "fused_permutation_enabled",
@@ -70,97 +64,6 @@ def set_fused_permutation(enabled: bool) -> None:
 def fused_permutation_enabled() -> bool:
     """Whether the "sloth" experts run the fused-permutation ops."""
     return _ENABLED[0]
-
-
-def _use_kernels(t: Tensor) -> bool:
-    return use_triton(t) or (_INTERPRETED and t.dtype in (torch.float32, torch.float16))
-
-
-def _weight(weight: Tensor, absmax: Tensor | None, code: Tensor | None, blocksize: int, shape, dtype):
-    if absmax is None:
-        return weight.to(dtype)
-    return _dequantized(weight, absmax, code, blocksize, shape, dtype)
-
-
-# --------------------------------------------------------------------- indexed GEMM, both paths
-def _gemm(
-    x: Tensor,
-    w: Tensor,
-    ends: Tensor,
-    w_is_kn: bool,
-    *,
-    a_idx: Tensor | None = None,
-    div: int = 1,
-    scale: Tensor | None = None,
-    bias: Tensor | None = None,
-    expert_ids: Tensor | None = None,
-    out: Tensor | None = None,
-    out_idx: Tensor | None = None,
-) -> Tensor:
-    """``out[out_idx[s]] (+)= scale[a_idx[s]] * x[a_idx[s] // div] @ W_e (+ b_e)`` (each part optional)."""
-    if _use_kernels(x):
-        return _kernels.grouped_mm(
-            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx
-        )
-    rows = x if a_idx is None else x.index_select(0, a_idx // div)
-    prod = grouped_mm_reference(rows, w, ends, transposed=w_is_kn)
-    compute = torch.promote_types(x.dtype, torch.float32)
-    if scale is not None or bias is not None:
-        value = prod.to(compute)
-        if scale is not None:
-            value = value * scale.to(compute).index_select(0, a_idx)[:, None]
-        if bias is not None:
-            value = value + bias.to(compute).index_select(0, expert_ids)
-        prod = value.to(x.dtype)
-    if out is None:
-        return prod if out_idx is None else torch.empty_like(prod).index_copy_(0, out_idx, prod)
-    if out_idx is None:
-        return out.copy_((out.to(compute) + prod.to(compute)).to(out.dtype))
-    summed = out.index_select(0, out_idx).to(compute) + prod.to(compute)
-    return out.index_copy_(0, out_idx, summed.to(out.dtype))
-
-
-def _wgrad(a, b, ends, *, a_idx=None, a_div=1, a_scale=None, b_idx=None, b_div=1, b_scale=None) -> Tensor:
-    """``[E, A, B]``: ``A[rows of e]^T B[rows of e]`` with either operand's rows read through an index."""
-    if _use_kernels(a):
-        return _kernels.grouped_mm_weight_grad(
-            a, b, ends, a_idx=a_idx, a_div=a_div, a_scale=a_scale, b_idx=b_idx, b_div=b_div, b_scale=b_scale
-        )
-    compute = torch.promote_types(a.dtype, torch.float32)
-
-    def rows(t, idx, div, scale):
-        if idx is None:
-            return t
-        t = t.index_select(0, idx // div)
-        if scale is None:
-            return t
-        return (t.to(compute) * scale.to(compute).index_select(0, idx)[:, None]).to(t.dtype)
-
-    return _weight_grad(rows(a, a_idx, a_div, a_scale), rows(b, b_idx, b_div, b_scale), ends)
-
-
-def _slot_sum(src: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
-    if _use_kernels(src):
-        return _kernels.slot_sum(src, top_k, weights)
-    compute = torch.promote_types(src.dtype, torch.float32)
-    rows = src.to(compute).view(-1, top_k, src.shape[1])
-    if weights is not None:
-        rows = rows * weights.to(compute).view(-1, top_k, 1)
-    return rows.sum(dim=1).to(src.dtype)
-
-
-def _slot_dot(dout: Tensor, src: Tensor, top_k: int) -> Tensor:
-    if _use_kernels(dout):
-        return _kernels.slot_dot(dout, src, top_k)
-    compute = torch.promote_types(src.dtype, torch.float32)
-    return (src.to(compute).view(-1, top_k, src.shape[1]) * dout.to(compute)[:, None, :]).sum(-1)
-
-
-def _bias_grad(rows: Tensor, expert_ids: Tensor, bias_shape) -> Tensor:
-    compute = torch.promote_types(rows.dtype, torch.float32)
-    return (
-        rows.new_zeros(bias_shape, dtype=compute).index_add_(0, expert_ids, rows.to(compute)).to(rows.dtype)
-    )
 
 
 # ------------------------------------------------------------------ first GEMM: gather fused

@@ -1,0 +1,132 @@
+"""Grouped GEMMs whose rows are read and written through the routing permutation, on both paths.
+
+The building blocks of :mod:`.fused`: each function runs the Triton kernel of
+``lightning_sloth.kernels.moe_fused`` on CUDA float16/bfloat16/float32 (and, under
+``TRITON_INTERPRET=1``, on CPU float32/float16) and otherwise a plain-torch reference that makes the
+gathered copy the kernel avoids (``index_select``, the per-expert loop of :mod:`.gemm`, a weighted
+sum). Rows are in expert order; ``perm[s]`` is the slot ``t * k + j`` of sorted row s.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from lightning_sloth.moe.gemm import _weight_grad, grouped_mm_reference
+from lightning_sloth.moe.quant import _weight as _dequantized
+from lightning_sloth.ops.registry import TRITON_OPS, use_triton
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if TRITON_OPS or _INTERPRETED:
+    from lightning_sloth.kernels import moe_fused as _kernels
+
+__all__ = [
+    "bias_grad",
+    "expert_weight",
+    "indexed_grouped_mm",
+    "indexed_weight_grad",
+    "slot_dot",
+    "slot_sum",
+    "use_kernels",
+]
+
+
+def use_kernels(t: Tensor) -> bool:
+    """Whether ``t`` goes to the Triton kernels: CUDA 16/32-bit floats, or float32/float16 under the interpreter."""
+    return use_triton(t) or (_INTERPRETED and t.dtype in (torch.float32, torch.float16))
+
+
+def expert_weight(weight: Tensor, absmax: Tensor | None, code: Tensor | None, blocksize: int, shape, dtype):
+    """The ``[E, ., .]`` expert weight in ``dtype``: the dense weight, or the 4-bit storage (``absmax``
+    given) dequantised into the reusable buffer of :mod:`.quant`."""
+    if absmax is None:
+        return weight.to(dtype)
+    return _dequantized(weight, absmax, code, blocksize, shape, dtype)
+
+
+# --------------------------------------------------------------------- indexed GEMM, both paths
+def indexed_grouped_mm(
+    x: Tensor,
+    w: Tensor,
+    ends: Tensor,
+    w_is_kn: bool,
+    *,
+    a_idx: Tensor | None = None,
+    div: int = 1,
+    scale: Tensor | None = None,
+    bias: Tensor | None = None,
+    expert_ids: Tensor | None = None,
+    out: Tensor | None = None,
+    out_idx: Tensor | None = None,
+) -> Tensor:
+    """``out[out_idx[s]] (+)= scale[a_idx[s]] * x[a_idx[s] // div] @ W_e (+ b_e)`` (each part optional)."""
+    if use_kernels(x):
+        return _kernels.grouped_mm(
+            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx
+        )
+    rows = x if a_idx is None else x.index_select(0, a_idx // div)
+    prod = grouped_mm_reference(rows, w, ends, transposed=w_is_kn)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    if scale is not None or bias is not None:
+        value = prod.to(compute)
+        if scale is not None:
+            value = value * scale.to(compute).index_select(0, a_idx)[:, None]
+        if bias is not None:
+            value = value + bias.to(compute).index_select(0, expert_ids)
+        prod = value.to(x.dtype)
+    if out is None:
+        return prod if out_idx is None else torch.empty_like(prod).index_copy_(0, out_idx, prod)
+    if out_idx is None:
+        return out.copy_((out.to(compute) + prod.to(compute)).to(out.dtype))
+    summed = out.index_select(0, out_idx).to(compute) + prod.to(compute)
+    return out.index_copy_(0, out_idx, summed.to(out.dtype))
+
+
+def indexed_weight_grad(
+    a, b, ends, *, a_idx=None, a_div=1, a_scale=None, b_idx=None, b_div=1, b_scale=None
+) -> Tensor:
+    """``[E, A, B]``: ``A[rows of e]^T B[rows of e]`` with either operand's rows read through an index."""
+    if use_kernels(a):
+        return _kernels.grouped_mm_weight_grad(
+            a, b, ends, a_idx=a_idx, a_div=a_div, a_scale=a_scale, b_idx=b_idx, b_div=b_div, b_scale=b_scale
+        )
+    compute = torch.promote_types(a.dtype, torch.float32)
+
+    def rows(t, idx, div, scale):
+        if idx is None:
+            return t
+        t = t.index_select(0, idx // div)
+        if scale is None:
+            return t
+        return (t.to(compute) * scale.to(compute).index_select(0, idx)[:, None]).to(t.dtype)
+
+    return _weight_grad(rows(a, a_idx, a_div, a_scale), rows(b, b_idx, b_div, b_scale), ends)
+
+
+def slot_sum(src: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
+    """``[T, N]``: ``sum_j (w[t, j] *) src[t k + j]`` of slot-ordered ``[T k, N]`` rows, fp32, j in order."""
+    if use_kernels(src):
+        return _kernels.slot_sum(src, top_k, weights)
+    compute = torch.promote_types(src.dtype, torch.float32)
+    rows = src.to(compute).view(-1, top_k, src.shape[1])
+    if weights is not None:
+        rows = rows * weights.to(compute).view(-1, top_k, 1)
+    return rows.sum(dim=1).to(src.dtype)
+
+
+def slot_dot(dout: Tensor, src: Tensor, top_k: int) -> Tensor:
+    """float32 ``[T, k]``: ``<dout[t], src[t k + j]>`` (the routing weights' gradient)."""
+    if use_kernels(dout):
+        return _kernels.slot_dot(dout, src, top_k)
+    compute = torch.promote_types(src.dtype, torch.float32)
+    return (src.to(compute).view(-1, top_k, src.shape[1]) * dout.to(compute)[:, None, :]).sum(-1)
+
+
+def bias_grad(rows: Tensor, expert_ids: Tensor, bias_shape) -> Tensor:
+    """``[E, N]`` sum of the ``[S, N]`` rows per expert (fp32 sum, rounded to the rows' dtype)."""
+    compute = torch.promote_types(rows.dtype, torch.float32)
+    return (
+        rows.new_zeros(bias_shape, dtype=compute).index_add_(0, expert_ids, rows.to(compute)).to(rows.dtype)
+    )
