@@ -51,19 +51,23 @@ def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> t
 def _indexed_grouped_mm_kernel(
     X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, n_out, n_in, div,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_INDEXED: tl.constexpr, SCALED: tl.constexpr,
-    OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOAD_SLOTS: tl.constexpr, A_INDEXED: tl.constexpr,
+    SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
+    # N tiles vary fastest: the CTAs running together share one M tile's (gathered) rows and one
+    # expert's weight in L2, instead of every N tile re-reading all rows from memory.
+    tiles_n = tl.cdiv(n_out, BN)
+    tile = tl.program_id(0) // tiles_n
+    pid_n = tl.program_id(0) % tiles_n
     expert = tl.load(TILE_EXPERT + tile).to(tl.int64)
     if expert >= 0:
         row0 = tl.load(TILE_ROW + tile).to(tl.int64)
         end = tl.load(ENDS + expert).to(tl.int64)
         rows = row0 + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cols = pid_n * BN + tl.arange(0, BN)
         row_mask = rows < end
         col_mask = cols < n_out
-        if A_INDEXED or SCALED:
+        if LOAD_SLOTS:
             slots = tl.load(A_IDX + rows, mask=row_mask, other=0).to(tl.int64)
         if A_INDEXED:
             a_rows = slots // div
@@ -147,14 +151,14 @@ def grouped_mm(
     max_tiles = triton.cdiv(n_rows, bm) + experts
     tile_expert, tile_row = _tile_table(ends, bm, max_tiles)
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
-    grid = (max_tiles, triton.cdiv(n_out, bn))
+    grid = (max_tiles * triton.cdiv(n_out, bn),)
     launchable(_indexed_grouped_mm_kernel)[grid](
         x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
         a_idx if a_idx is not None else ends, scale if scale is not None else out,
         out_idx if out_idx is not None else ends, n_out, n_in, div,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
-        BM=bm, BN=bn, BK=bk, A_INDEXED=a_idx is not None, SCALED=scale is not None,
+        BM=bm, BN=bn, BK=bk, LOAD_SLOTS=a_idx is not None or scale is not None, A_INDEXED=a_idx is not None, SCALED=scale is not None,
         OUT_INDEXED=out_idx is not None, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -166,12 +170,13 @@ def _indexed_weight_grad_kernel(
     A, B, OUT, ENDS, A_IDX, A_SCALE, B_IDX, B_SCALE, n_a, n_b, div_a, div_b,
     stride_am, stride_an, stride_bm, stride_bn, stride_oe, stride_oa, stride_ob,
     BA: tl.constexpr, BB: tl.constexpr, BR: tl.constexpr, A_INDEXED: tl.constexpr, A_SCALED: tl.constexpr,
-    B_INDEXED: tl.constexpr, B_SCALED: tl.constexpr,
+    A_SLOTS: tl.constexpr, B_INDEXED: tl.constexpr, B_SCALED: tl.constexpr, B_SLOTS: tl.constexpr,
 ):  # fmt: skip
-    expert = tl.program_id(0).to(tl.int64)
+    # output tiles vary fastest: the CTAs running together read the same expert's rows (from L2)
+    expert = tl.program_id(1).to(tl.int64)
     tiles_b = tl.cdiv(n_b, BB)
-    ia = tl.program_id(1) // tiles_b
-    ib = tl.program_id(1) % tiles_b
+    ia = tl.program_id(0) // tiles_b
+    ib = tl.program_id(0) % tiles_b
     start = tl.load(ENDS + expert - 1, mask=expert > 0, other=0).to(tl.int64)
     end = tl.load(ENDS + expert).to(tl.int64)
     cols_a = ia * BA + tl.arange(0, BA)
@@ -182,13 +187,13 @@ def _indexed_weight_grad_kernel(
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         row_mask = rows < end
-        if A_INDEXED or A_SCALED:
+        if A_SLOTS:
             slot_a = tl.load(A_IDX + rows, mask=row_mask, other=0).to(tl.int64)
         if A_INDEXED:
             rows_a = slot_a // div_a
         else:
             rows_a = rows
-        if B_INDEXED or B_SCALED:
+        if B_SLOTS:
             slot_b = tl.load(B_IDX + rows, mask=row_mask, other=0).to(tl.int64)
         if B_INDEXED:
             rows_b = slot_b // div_b
@@ -250,13 +255,14 @@ def grouped_mm_weight_grad(
     block_a = max(16, min(128 if big else 64, triton.next_power_of_2(n_a)))
     block_b = max(16, min(128 if big else 64, triton.next_power_of_2(n_b)))
     block_r = 64 if big else 32
-    grid = (experts, triton.cdiv(n_a, block_a) * triton.cdiv(n_b, block_b))
+    grid = (triton.cdiv(n_a, block_a) * triton.cdiv(n_b, block_b), experts)
     launchable(_indexed_weight_grad_kernel)[grid](
         a, b, out, ends, a_idx if a_idx is not None else ends, a_scale if a_scale is not None else out,
         b_idx if b_idx is not None else ends, b_scale if b_scale is not None else out, n_a, n_b, a_div, b_div,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BA=block_a, BB=block_b, BR=block_r, A_INDEXED=a_idx is not None, A_SCALED=a_scale is not None,
-        B_INDEXED=b_idx is not None, B_SCALED=b_scale is not None,
+        A_SLOTS=a_idx is not None, B_INDEXED=b_idx is not None, B_SCALED=b_scale is not None,
+        B_SLOTS=b_idx is not None,
         num_warps=8 if big else 4, num_stages=3 if big else 2,
     )  # fmt: skip
     return out
