@@ -49,10 +49,12 @@ def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> t
 
 @triton.jit
 def _indexed_grouped_mm_kernel(
-    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, n_out, n_in, div,
+    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, n_out, n_in, n_in2, div,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+    stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOAD_SLOTS: tl.constexpr, A_INDEXED: tl.constexpr,
     SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_X2: tl.constexpr, BK2: tl.constexpr,
 ):  # fmt: skip
     # N tiles vary fastest: the CTAs running together share one M tile's (gathered) rows and one
     # expert's weight in L2, instead of every N tile re-reading all rows from memory.
@@ -93,6 +95,24 @@ def _indexed_grouped_mm_kernel(
                 acc = tl.dot(x, w.to(x.dtype), acc)
         if SCALED:
             acc = acc * tl.load(SCALE + slots, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_X2:  # the rank-r LoRA term into the same accumulator: no second pass over the output
+            for k0 in range(0, n_in2, BK2):
+                ks = k0 + tl.arange(0, BK2)
+                k_mask = ks < n_in2
+                x2 = tl.load(
+                    X2 + rows[:, None] * stride_x2m + ks[None, :] * stride_x2k,
+                    mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                w2 = tl.load(
+                    W2 + expert * stride_w2e + ks[:, None] * stride_w2k + cols[None, :] * stride_w2n,
+                    mask=k_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
+                if x2.dtype == tl.float32:
+                    acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x2, w2.to(x2.dtype), acc)
         if HAS_BIAS:
             acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if OUT_INDEXED:
@@ -119,8 +139,14 @@ def grouped_mm(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_idx: torch.Tensor | None = None,
+    x2: torch.Tensor | None = None,
+    w2: torch.Tensor | None = None,
+    w2_is_kn: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM over ``S`` rows in expert order, operand rows and output rows through indices.
+
+    ``out[oidx(s)] (+)= scale(s) * x[aidx(s)] @ W_e + x2[s] @ W2_e + b_e``, one fp32 accumulator and
+    one rounding.
 
     Args:
         x: ``[S, K]`` (``a_idx`` None) or ``[T, K]`` rows read as ``x[a_idx[s] // div]``.
@@ -133,6 +159,8 @@ def grouped_mm(
         bias: optional ``[E, N]`` added per row's expert (fp32, one rounding).
         out: optional ``[S, N]`` to add into (fp32 sum, one rounding); else a zeroed one is made.
         out_idx: optional int64 ``[S]``: row s is written to ``out[out_idx[s]]`` (a permutation).
+        x2: optional ``[S, r]`` rows in expert order (the LoRA side: ``s * x A^T`` or its gradient).
+        w2: ``[E, r, N]`` (``w2_is_kn``) or ``[E, N, r]``, with x2.
 
     Returns:
         out, ``[S, N]`` in x's dtype.
@@ -148,6 +176,13 @@ def grouped_mm(
     if scale is not None and a_idx is None:
         raise ValueError("grouped_mm: a per-row scale is read through a_idx")
     bm, bn, bk, warps, stages = _tiles(x.device, x.dtype, n_out, n_in)
+    n_in2 = x2.shape[1] if x2 is not None else 0
+    bk2 = max(16, triton.next_power_of_2(max(n_in2, 1))) if n_in2 <= 64 else 64
+    if x2 is not None:
+        stride_w2k, stride_w2n = (w2.stride(1), w2.stride(2)) if w2_is_kn else (w2.stride(2), w2.stride(1))
+        x2_strides = (x2.stride(0), x2.stride(1), w2.stride(0), stride_w2k, stride_w2n)
+    else:
+        x2_strides = (0, 0, 0, 0, 0)
     max_tiles = triton.cdiv(n_rows, bm) + experts
     tile_expert, tile_row = _tile_table(ends, bm, max_tiles)
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
@@ -155,11 +190,13 @@ def grouped_mm(
     launchable(_indexed_grouped_mm_kernel)[grid](
         x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
         a_idx if a_idx is not None else ends, scale if scale is not None else out,
-        out_idx if out_idx is not None else ends, n_out, n_in, div,
+        out_idx if out_idx is not None else ends, x2 if x2 is not None else x, w2 if w2 is not None else w,
+        n_out, n_in, n_in2, div,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0,
+        bias.stride(0) if bias is not None else 0, *x2_strides,
         BM=bm, BN=bn, BK=bk, LOAD_SLOTS=a_idx is not None or scale is not None, A_INDEXED=a_idx is not None, SCALED=scale is not None,
         OUT_INDEXED=out_idx is not None, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
+        HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

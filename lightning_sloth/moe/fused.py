@@ -37,7 +37,7 @@ import os
 import torch
 from torch import Tensor
 
-from lightning_sloth.moe.gemm import _mm, _mm_into, _weight_grad
+from lightning_sloth.moe.gemm import _mm, _weight_grad
 from lightning_sloth.moe.indexed import bias_grad as _bias_grad
 from lightning_sloth.moe.indexed import expert_weight as _weight
 from lightning_sloth.moe.indexed import indexed_grouped_mm as _gemm
@@ -87,11 +87,12 @@ def _gather_op(
 ) -> tuple[Tensor, Tensor]:
     """``(out [S, N], xa [S, r])``: row s of x is token ``perm[s] // top_k``; ``out = x W_e + b_e + s xa B_e^T``."""
     w = _weight(weight, absmax, code, blocksize, shape, x.dtype)
-    out = _gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids)
     if not lora_a.shape[1]:
+        out = _gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids)
         return out, x.new_empty((perm.shape[0], 0))
     xa = _gemm(x, lora_a, ends, False, a_idx=perm, div=top_k)
-    _mm_into(out, xa * scale, lora_b, ends, w_is_kn=False)
+    lora = dict(x2=xa * scale, w2=lora_b, w2_is_kn=False)
+    out = _gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids, **lora)
     return out, xa
 
 
@@ -131,9 +132,8 @@ def _gather_backward_op(
     dx = grad.new_empty(0)
     if need_x:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
-        rows = _gemm(grad, w, ends, not transposed, out_idx=perm)  # slot order [S, K]
-        if g is not None:
-            _gemm(g, lora_a, ends, True, out=rows, out_idx=perm)
+        lora = dict(x2=g, w2=lora_a, w2_is_kn=True) if g is not None else {}
+        rows = _gemm(grad, w, ends, not transposed, out_idx=perm, **lora)  # slot order [S, K]
         dx = _slot_sum(rows, top_k, None)
     dw = grad.new_empty(0)
     if need_w:
@@ -260,12 +260,13 @@ def _combine_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out [T, N], y [S, N] in slot order, xa [S, r])``: ``out[t] = sum_j w[t, j] y[t k + j]`` (fp32)."""
     w = _weight(weight, absmax, code, blocksize, shape, a.dtype)
-    y = _gemm(a, w, ends, transposed, bias=bias, expert_ids=expert_ids, out_idx=perm)
+    lora = {}
     if lora_a.shape[1]:
         xa = _mm(a, lora_a, ends, w_is_kn=False)
-        _gemm(xa * scale, lora_b, ends, False, out=y, out_idx=perm)
+        lora = dict(x2=xa * scale, w2=lora_b, w2_is_kn=False)
     else:
         xa = a.new_empty((a.shape[0], 0))
+    y = _gemm(a, w, ends, transposed, bias=bias, expert_ids=expert_ids, out_idx=perm, **lora)
     return _slot_sum(y, top_k, weights), y, xa
 
 
@@ -319,9 +320,8 @@ def _combine_backward_op(
     da_in = grad.new_empty(0)
     if need_in:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
-        da_in = _gemm(grad, w, ends, not transposed, **rows)
-        if g is not None:
-            _mm_into(da_in, g, lora_a, ends, w_is_kn=True)
+        lora = dict(x2=g, w2=lora_a, w2_is_kn=True) if g is not None else {}
+        da_in = _gemm(grad, w, ends, not transposed, **rows, **lora)
     dweights = _slot_dot(grad, y, top_k).to(weights.dtype) if need_weights else grad.new_empty(0)
     idx = dict(a_idx=perm, a_div=top_k, a_scale=flat)
     dw = grad.new_empty(0)

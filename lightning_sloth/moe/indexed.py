@@ -60,19 +60,30 @@ def indexed_grouped_mm(
     expert_ids: Tensor | None = None,
     out: Tensor | None = None,
     out_idx: Tensor | None = None,
+    x2: Tensor | None = None,
+    w2: Tensor | None = None,
+    w2_is_kn: bool = False,
 ) -> Tensor:
-    """``out[out_idx[s]] (+)= scale[a_idx[s]] * x[a_idx[s] // div] @ W_e (+ b_e)`` (each part optional)."""
+    """``out[out_idx[s]] (+)= scale[a_idx[s]] * x[a_idx[s] // div] @ W_e + x2[s] @ W2_e (+ b_e)``.
+
+    Each part optional; ``W2_e = w2[e]`` (``w2_is_kn``, ``[E, r, N]``) or ``w2[e].T`` (``[E, N, r]``).
+    One fp32 sum, one rounding (the kernel's epilogue adds the rank-r term, so the output is written
+    once).
+    """
     if use_kernels(x):
         return _kernels.grouped_mm(
-            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx
-        )
+            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx,
+            x2=x2, w2=w2, w2_is_kn=w2_is_kn,
+        )  # fmt: skip
     rows = x if a_idx is None else x.index_select(0, a_idx // div)
     prod = grouped_mm_reference(rows, w, ends, transposed=w_is_kn)
     compute = torch.promote_types(x.dtype, torch.float32)
-    if scale is not None or bias is not None:
+    if scale is not None or bias is not None or x2 is not None:
         value = prod.to(compute)
         if scale is not None:
             value = value * scale.to(compute).index_select(0, a_idx)[:, None]
+        if x2 is not None:
+            value = value + grouped_mm_reference(x2.to(compute), w2.to(compute), ends, transposed=w2_is_kn)
         if bias is not None:
             value = value + bias.to(compute).index_select(0, expert_ids)
         prod = value.to(x.dtype)
