@@ -207,7 +207,7 @@ def _gather_backward(ctx, grad, _grad_xa):
             grad, x_arg, xa, perm, ctx.top_k, weight, absmax, code, ctx.blocksize, ctx.shape, lora_a, lora_b,
             ctx.scale, ends, ctx.transposed, need_x, need_w, need_a, need_b,
         )  # fmt: skip
-    dbias = _bias_grad(grad, ids, ctx.bias_shape) if need_bias else None
+    dbias = _bias_grad(grad, ends) if need_bias else None
     return (
         dx if need_x else None, None, None, dw if need_w else None, None, None, None, None, dbias,
         da if need_a else None, db if need_b else None, None, None, None, None,
@@ -405,11 +405,7 @@ def _combine_backward(ctx, grad, _grad_y, _grad_xa):
     dbias = None
     if need_bias:
         flat = None if weights is None else weights.reshape(-1)
-        rows = grad.index_select(0, perm // ctx.top_k)
-        if flat is not None:
-            compute = torch.promote_types(rows.dtype, torch.float32)
-            rows = (rows.to(compute) * flat.to(compute).index_select(0, perm)[:, None]).to(grad.dtype)
-        dbias = _bias_grad(rows, ids, ctx.bias_shape)
+        dbias = _bias_grad(grad, ends, perm, ctx.top_k, flat)
     return (
         d_in if need_in else None, dweights if need_weights else None, None, None, dw if need_w else None,
         None, None, None, None, dbias, da if need_a else None, db if need_b else None, None, None, None, None,

@@ -135,9 +135,9 @@ def slot_dot(dout: Tensor, src: Tensor, top_k: int) -> Tensor:
     return (src.to(compute).view(-1, top_k, src.shape[1]) * dout.to(compute)[:, None, :]).sum(-1)
 
 
-def bias_grad(rows: Tensor, expert_ids: Tensor, bias_shape) -> Tensor:
-    """``[E, N]`` sum of the ``[S, N]`` rows per expert (fp32 sum, rounded to the rows' dtype)."""
-    compute = torch.promote_types(rows.dtype, torch.float32)
-    return (
-        rows.new_zeros(bias_shape, dtype=compute).index_add_(0, expert_ids, rows.to(compute)).to(rows.dtype)
-    )
+def bias_grad(grad: Tensor, ends: Tensor, idx: Tensor | None = None, div: int = 1, scale=None) -> Tensor:
+    """``[E, N]``: per expert, the sum of its rows of ``grad`` (row s read as ``grad[idx[s] // div] *
+    scale[idx[s]]`` when indexed), as a weight gradient against a column of ones: one program per
+    output tile sums its rows in order (``index_add_`` would add with atomics on CUDA)."""
+    ones = grad.new_ones((idx.shape[0] if idx is not None else grad.shape[0], 1))
+    return indexed_weight_grad(ones, grad, ends, b_idx=idx, b_div=div, b_scale=scale)[:, 0]
