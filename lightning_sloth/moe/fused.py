@@ -207,7 +207,7 @@ def _gather_backward(ctx, grad, _grad_xa):
             grad, x_arg, xa, perm, ctx.top_k, weight, absmax, code, ctx.blocksize, ctx.shape, lora_a, lora_b,
             ctx.scale, ends, ctx.transposed, need_x, need_w, need_a, need_b,
         )  # fmt: skip
-    dbias = _bias_grad(grad, ends) if need_bias else None
+    dbias = _bias_grad(grad, ends, ids) if need_bias else None
     return (
         dx if need_x else None, None, None, dw if need_w else None, None, None, None, None, dbias,
         da if need_a else None, db if need_b else None, None, None, None, None,
@@ -405,7 +405,7 @@ def _combine_backward(ctx, grad, _grad_y, _grad_xa):
     dbias = None
     if need_bias:
         flat = None if weights is None else weights.reshape(-1)
-        dbias = _bias_grad(grad, ends, perm, ctx.top_k, flat)
+        dbias = _bias_grad(grad, ends, ids, perm, ctx.top_k, flat)
     return (
         d_in if need_in else None, dweights if need_weights else None, None, None, dw if need_w else None,
         None, None, None, None, dbias, da if need_a else None, db if need_b else None, None, None, None, None,

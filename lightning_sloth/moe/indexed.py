@@ -135,9 +135,22 @@ def slot_dot(dout: Tensor, src: Tensor, top_k: int) -> Tensor:
     return (src.to(compute).view(-1, top_k, src.shape[1]) * dout.to(compute)[:, None, :]).sum(-1)
 
 
-def bias_grad(grad: Tensor, ends: Tensor, idx: Tensor | None = None, div: int = 1, scale=None) -> Tensor:
+def bias_grad(
+    grad: Tensor, ends: Tensor, expert_ids: Tensor, idx: Tensor | None = None, div: int = 1, scale=None
+) -> Tensor:
     """``[E, N]``: per expert, the sum of its rows of ``grad`` (row s read as ``grad[idx[s] // div] *
-    scale[idx[s]]`` when indexed), as a weight gradient against a column of ones: one program per
-    output tile sums its rows in order (``index_add_`` would add with atomics on CUDA)."""
-    ones = grad.new_ones((idx.shape[0] if idx is not None else grad.shape[0], 1))
-    return indexed_weight_grad(ones, grad, ends, b_idx=idx, b_div=div, b_scale=scale)[:, 0]
+    scale[idx[s]]`` when indexed; ``expert_ids`` int64 ``[S]`` the expert of each sorted row).
+
+    With the kernels: a weight gradient against a column of ones, one program per output tile
+    summing its rows in order (``index_add_`` adds with atomics on CUDA). Elsewhere ``index_add_``
+    (ordered on CPU), which traces without reading the row ends on the host.
+    """
+    if use_kernels(grad):
+        ones = grad.new_ones((idx.shape[0] if idx is not None else grad.shape[0], 1))
+        return indexed_weight_grad(ones, grad, ends, b_idx=idx, b_div=div, b_scale=scale)[:, 0]
+    compute = torch.promote_types(grad.dtype, torch.float32)
+    rows = grad.to(compute) if idx is None else grad.to(compute).index_select(0, idx // div)
+    if scale is not None:
+        rows = rows * scale.to(compute).index_select(0, idx)[:, None]
+    out = rows.new_zeros((ends.shape[0], grad.shape[1])).index_add_(0, expert_ids, rows)
+    return out.to(grad.dtype)
