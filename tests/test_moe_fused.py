@@ -271,6 +271,24 @@ def test_tiny_model_equals_the_current_experts_path(family, fused_switch):
     _model_parity(family, fused_switch)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="compiled in the normal run")
+def test_block_with_the_switch_on_compiles_fullgraph_with_the_same_result(fused_switch):
+    """Both ops have fake and autograd implementations: Dynamo traces a GPT-OSS block (router, bias,
+    clamped SwiGLU, weighted combine, PEFT LoRA on the experts) in one graph."""
+    block = _tiny("gpt_oss", layers=1).base_model.model.model.layers[0].mlp
+    fused_switch(True)
+    x = torch.randn(1, 9, 32, requires_grad=True)
+    grad = torch.randn(1, 9, 32)
+    params = [x, *(p for p in block.parameters() if p.requires_grad)]
+    expected = block(x)[0]
+    expected_grads = torch.autograd.grad(expected, params, grad)
+    torch._dynamo.reset()
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(x)[0]
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out, params, grad), expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_switch_is_off_by_default_and_one_flag(fused_switch):
     assert fused.fused_permutation_enabled() is False
     fused_switch(True)
