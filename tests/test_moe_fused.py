@@ -313,6 +313,34 @@ def test_kernels_interpreted_ops_match_float64_and_are_deterministic(top_k, tran
     assert all(torch.equal(a, b) for a, b in zip(grads_again, grads, strict=True))
 
 
+def _non_contiguous_equals_contiguous():
+    case = _case(True, 2, 3, True)
+    g = case["grouping"]
+    kw = dict(transposed=True, bias=case["bias"].float(), expert_ids=g.expert_ids)
+    lora = tuple(t.float() for t in case["lora"])
+    x, a = case["x"].float(), case["a"].float()
+    x_strided = torch.empty(x.shape[1], x.shape[0]).t().copy_(x)  # column-major rows
+    a_strided = torch.empty(a.shape[0], 2 * a.shape[1])[:, ::2].copy_(a)  # every other column
+    w = case["w"].float()
+    w_strided = w.transpose(1, 2).contiguous().transpose(1, 2)
+    for xx, aa, ww in ((x, a, w), (x_strided, a_strided, w_strided)):
+        first = gather_lora_grouped_mm(xx, g.perm, 2, ww, *lora, 0.5, g.ends, **kw)
+        second = lora_grouped_mm_combine(aa, case["weights"].float(), g.perm, 2, ww, *lora, 0.5, g.ends, **kw)
+        if xx is x:
+            expected = (first, second)
+    torch.testing.assert_close(first, expected[0])
+    torch.testing.assert_close(second, expected[1])
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    _non_contiguous_equals_contiguous()
+
+
+@interpreted_only
+def test_kernels_interpreted_non_contiguous_inputs_give_the_same_result():
+    _non_contiguous_equals_contiguous()
+
+
 @interpreted_only
 def test_kernels_interpreted_indexed_weight_grad_and_slot_kernels():
     from lightning_sloth.kernels import moe_fused as kernels
