@@ -142,6 +142,7 @@ def grouped_mm(
     x2: torch.Tensor | None = None,
     w2: torch.Tensor | None = None,
     w2_is_kn: bool = False,
+    covered: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM over ``S`` rows in expert order, operand rows and output rows through indices.
 
@@ -161,6 +162,8 @@ def grouped_mm(
         out_idx: optional int64 ``[S]``: row s is written to ``out[out_idx[s]]`` (a permutation).
         x2: optional ``[S, r]`` rows in expert order (the LoRA side: ``s * x A^T`` or its gradient).
         w2: ``[E, r, N]`` (``w2_is_kn``) or ``[E, N, r]``, with x2.
+        covered: ``ends[-1] == S``, so every output row is written and a new output needs no zeroing
+            (without it, rows past the last end are zero).
 
     Returns:
         out, ``[S, N]`` in x's dtype.
@@ -170,7 +173,7 @@ def grouped_mm(
     n_out = w.shape[2] if w_is_kn else w.shape[1]
     accumulate = out is not None
     if out is None:
-        out = x.new_zeros((n_rows, n_out))
+        out = x.new_empty((n_rows, n_out)) if covered else x.new_zeros((n_rows, n_out))
     if n_rows == 0 or n_out == 0:
         return out
     if scale is not None and a_idx is None:

@@ -489,7 +489,7 @@ def gather_lora_grouped_mm(
         weight: ``[E, out, in]`` or (``transposed``) ``[E, in, out]`` in x's dtype; None with ``storage``.
         lora_a, lora_b: ``[E, r, in]`` and ``[E, out, r]`` in x's dtype, or both None.
         scale: the LoRA scaling.
-        ends: int32 ``[E]`` cumulative row ends.
+        ends: int32 ``[E]`` cumulative row ends of the grouping (``ends[-1] == S``: every row routed).
         storage: the weight's 4-bit :class:`~lightning_sloth.ops.nf4_formats.Packed4bit` instead of ``weight``.
         transposed: the weight layout.
         bias: optional ``[E, out]``.

@@ -68,12 +68,13 @@ def indexed_grouped_mm(
 
     Each part optional; ``W2_e = w2[e]`` (``w2_is_kn``, ``[E, r, N]``) or ``w2[e].T`` (``[E, N, r]``).
     One fp32 sum, one rounding (the kernel's epilogue adds the rank-r term, so the output is written
-    once).
+    once). The rows are a whole grouping (``ends[-1] == S``): every output row is written, so a new
+    output is not zeroed first.
     """
     if use_kernels(x):
         return _kernels.grouped_mm(
             x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx,
-            x2=x2, w2=w2, w2_is_kn=w2_is_kn,
+            x2=x2, w2=w2, w2_is_kn=w2_is_kn, covered=True,
         )  # fmt: skip
     rows = x if a_idx is None else x.index_select(0, a_idx // div)
     prod = grouped_mm_reference(rows, w, ends, transposed=w_is_kn)
