@@ -17,13 +17,26 @@ the 4-bit experts::
 
     python benchmarks/moe_bench.py --out moe_layer.json [--tokens 16384] [--skip-eager]
     python benchmarks/moe_bench.py --out moe_nf4.json --shapes qwen3_30b_a3b --systems grouped_mm,sloth,sloth_nf4
+
+``sloth_fused`` (and ``sloth_fused_nf4``) is ``sloth`` with the fused permutation
+(``lightning_sloth.moe.fused``): the first grouped GEMM reads the token rows through the sort
+permutation and the second writes through it into the combine, so neither the gathered copy nor the
+combine's gather is made. The fused-permutation comparison, LoRA on the experts at 16k tokens, both
+shapes, JSON under ``$OUT`` when set (else ``benchmarks/results/``) and a short table printed::
+
+    python benchmarks/moe_bench.py --fused
+
+``--fused-tiles BM,BN,BK,WARPS,STAGES`` overrides the fused kernels' tile sizes on 16-bit operands
+(to sweep them on a new GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -43,7 +56,9 @@ SHAPES = {
         intermediate_size=2880,
     ),
 }
-SYSTEMS = ("eager", "grouped_mm", "sloth", "sloth_nf4")
+SYSTEMS = ("eager", "grouped_mm", "sloth", "sloth_fused", "sloth_nf4", "sloth_fused_nf4")
+"""Run in this order: the NF4 systems quantise the experts in place, so they come last."""
+FUSED_SYSTEMS = "grouped_mm,sloth,sloth_fused"
 
 
 def _block(
@@ -87,12 +102,15 @@ def _with_lora(block: torch.nn.Module) -> torch.nn.Module:
 
 def _select(block: torch.nn.Module, system: str) -> None:
     from lightning_sloth.moe import install_lora_experts, register, uninstall_lora_experts
+    from lightning_sloth.moe.fused import set_fused_permutation
     from lightning_sloth.moe.quant import quantize_experts
 
     register()
     experts = next(m for m in block.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts"))
-    if system == "sloth_nf4":  # in place: this system runs last
+    set_fused_permutation(system.startswith("sloth_fused"))
+    if system.endswith("_nf4"):  # in place (idempotent): these systems run last
         quantize_experts(experts, "nf4")
+    if system.startswith("sloth"):
         system = "sloth"
     experts.config._experts_implementation = system
     uninstall_lora_experts(block)
@@ -192,6 +210,11 @@ def run_case(
     if "median_ms" in grouped and "median_ms" in ours:
         results["speedup_vs_grouped_mm"] = grouped["median_ms"] / ours["median_ms"]
         results["memory_ratio_vs_grouped_mm"] = ours["peak_over_base_gib"] / grouped["peak_over_base_gib"]
+    fused = results.get("sloth_fused", {})
+    if "median_ms" in fused:
+        for name, other in (("grouped_mm", grouped), ("sloth", ours)):
+            if "median_ms" in other:
+                results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
     nf4 = results.get("sloth_nf4", {})
     if "median_ms" in nf4 and "median_ms" in ours:
         results["nf4_time_ratio_vs_sloth_bf16"] = nf4["median_ms"] / ours["median_ms"]
@@ -200,22 +223,56 @@ def run_case(
     return results
 
 
+def summary(report: dict) -> str:
+    """A short table: median ms per system and case, and the fused path's speed-ups."""
+    systems = [s for s in SYSTEMS if any(s in r for r in report["results"].values())]
+    lines = ["case".ljust(26) + "".join(s.rjust(17) for s in systems) + "  fused vs grouped_mm / sloth"]
+    for case, result in report["results"].items():
+        cells = "".join(
+            (f"{result[s]['median_ms']:.2f} ms" if "median_ms" in result.get(s, {}) else "-").rjust(17)
+            for s in systems
+        )
+        ratios = [result.get(f"fused_speedup_vs_{n}") for n in ("grouped_mm", "sloth")]
+        tail = " / ".join("-" if r is None else f"{r:.2f}x" for r in ratios)
+        lines.append(case.ljust(26) + cells + "  " + tail)
+    return "\n".join(lines)
+
+
+def _default_out(fused: bool) -> str:
+    folder = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / ("moe_fused.json" if fused else "moe_layer.json"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     from lightning_sloth.bench.measure import environment
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None, help="the JSON report (default: $OUT or benchmarks/results/)")
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help=f"the fused-permutation comparison: --modes lora --systems {FUSED_SYSTEMS} unless given",
+    )
+    parser.add_argument("--fused-tiles", default=None, help="BM,BN,BK,WARPS,STAGES of the fused kernels")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--modes", default="frozen,lora")
+    parser.add_argument("--modes", default=None, help="frozen,lora (--fused: lora)")
     parser.add_argument("--skip-eager", action="store_true")
     parser.add_argument(
-        "--systems", default="eager,grouped_mm,sloth", help=f"a subset of {SYSTEMS}, run in that order"
+        "--systems", default=None, help=f"a subset of {SYSTEMS}, run in that order (eager,grouped_mm,sloth)"
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--profile", default=None, help="a text file for per-kernel device times")
     args = parser.parse_args(argv)
+    args.modes = args.modes or ("lora" if args.fused else "frozen,lora")
+    args.systems = args.systems or (FUSED_SYSTEMS if args.fused else "eager,grouped_mm,sloth")
+    args.out = args.out or _default_out(args.fused)
+    if args.fused_tiles:
+        from lightning_sloth.kernels import moe_fused
+
+        moe_fused.TILES = tuple(int(v) for v in args.fused_tiles.split(","))
     wanted = args.systems.split(",")
     unknown = sorted(set(wanted) - set(SYSTEMS))
     if unknown:
@@ -225,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "one MoE layer, forward + backward, bf16",
         "environment": environment(),
         "tokens": args.tokens,
+        "fused_tiles": args.fused_tiles,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
         "results": {},
@@ -236,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
+    print(summary(report), flush=True)
+    print(f"wrote {args.out}", flush=True)
     return report
 
 

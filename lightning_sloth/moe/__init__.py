@@ -8,6 +8,9 @@ Rooms:
 - :mod:`.layouts`: how each family stores its experts, and the names the "sloth" experts go by;
 - :mod:`.experts`: the "sloth" experts forward for transformers' ``ExpertsInterface``;
 - :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights;
+- :mod:`.fused`: the fused permutation (the first GEMM reads token rows through the sort, the second
+  writes through it into the combine), behind :func:`~.fused.set_fused_permutation`;
+- :mod:`.indexed`: the indexed grouped GEMMs under :mod:`.fused`, Triton and plain torch;
 - :mod:`.quant`: 4-bit expert weights (``SlothPrecision(quantize=...)``) and the grouped GEMM
   that dequantises them into a reusable buffer, forward and backward.
 

@@ -22,6 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_sloth.moe.fused import (
+    fused_permutation_enabled,
+    gather_lora_grouped_mm,
+    lora_grouped_mm_combine,
+)
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
 from lightning_sloth.moe.layouts import COUNTS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
@@ -111,6 +116,40 @@ def _project(
     )
 
 
+def _fused_project(
+    x: Tensor,
+    experts: nn.Module,
+    name: str,
+    bias: Tensor | None,
+    grouping,
+    transposed: bool,
+    lora: LoraFactors | None,
+    top_k: int,
+    weights: Tensor | None = None,
+    first: bool = True,
+) -> Tensor:
+    """The first projection reading token rows through ``perm`` (x ``[T, in]``), or the second writing
+    through it and summing per token (x ``[S, in]``, weighted by ``weights`` unless None)."""
+    dtype = x.dtype
+    storage = expert_storage(experts, name)
+    weight = None if storage is not None else getattr(experts, name).to(dtype)
+    args = (
+        None if lora is None else lora.a.to(dtype),
+        None if lora is None else lora.b.to(dtype),
+        0.0 if lora is None else lora.scale,
+        grouping.ends,
+    )
+    kwargs = dict(
+        storage=storage,
+        transposed=transposed,
+        bias=None if bias is None else bias.to(dtype),
+        expert_ids=grouping.expert_ids,
+    )
+    if first:
+        return gather_lora_grouped_mm(x, grouping.perm, top_k, weight, *args, **kwargs)
+    return lora_grouped_mm_combine(x, weights, grouping.perm, top_k, weight, *args, **kwargs)
+
+
 def _activate(experts: nn.Module, layout: ExpertLayout, h: Tensor) -> Tensor:
     if layout.clamped:
         return clamped_swiglu(h, experts.alpha, experts.limit)
@@ -167,6 +206,37 @@ def experts_forward(
     # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
     activation = getattr(getattr(experts, "config", None), "hidden_act", None)
     weight_first = not (layout.bias or layout.clamped or layout.scaled_input) and activation in _SILU
+    if fused_permutation_enabled() and not layout.scaled_input:
+        # The gather and the combine run inside the GEMMs (lightning_sloth.moe.fused).
+        h = _fused_project(
+            hidden_states.to(dtype),
+            experts,
+            "gate_up_proj",
+            experts.gate_up_proj_bias if layout.bias else None,
+            grouping,
+            layout.transposed,
+            lora.get("gate_up_proj"),
+            top_k,
+        )
+        a = (
+            weighted_swiglu(h, top_k_weights, grouping.perm)
+            if weight_first
+            else _activate(experts, layout, h)
+        )
+        del h
+        out = _fused_project(
+            a,
+            experts,
+            "down_proj",
+            experts.down_proj_bias if layout.bias else None,
+            grouping,
+            layout.transposed,
+            lora.get("down_proj"),
+            top_k,
+            None if weight_first else top_k_weights,
+            first=False,
+        )
+        return out.to(hidden_states.dtype)
     x = moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k)
     if layout.scaled_input:
         # Llama 4: expert(w x). The weight is rounded to the rows' dtype first, as transformers'

@@ -1,0 +1,365 @@
+"""Grouped GEMMs that read and write their rows through the routing permutation.
+
+Rows are in expert order (sorted position ``s``, see :mod:`lightning_sloth.kernels.moe`); ``perm[s]`` is
+the slot ``t * k + j`` of that row. These kernels take the permutation as an operand instead of a
+gathered copy:
+
+- ``grouped_mm``: ``out[oidx(s)] (+)= scale(s) * (x[aidx(s)] @ W_e) (+ b_e)`` where ``aidx(s)`` is
+  ``s`` or ``idx[s] // div`` (the token of row s: the first MoE GEMM reads the token rows in place,
+  the backward of the second reads the combine's gradient in place), ``scale(s)`` is 1 or
+  ``scale[idx[s]]`` (the routing weight, applied to the fp32 accumulator), and ``oidx(s)`` is ``s`` or
+  ``out_idx[s]`` (the second GEMM writes slot order, so the combine is a contiguous sum of k rows,
+  and the first GEMM's input gradient lands in slot order the same way);
+- ``grouped_mm_weight_grad``: ``dW[e] = A_e^T B_e`` where either operand's rows may be read
+  through an index (``// div``) and scaled per row;
+- ``slot_sum``: ``out[t] = sum_j (w[t, j] *) src[t * k + j]`` in fp32, j in order (the combine over
+  rows already in slot order, and the first GEMM's input gradient);
+- ``slot_dot``: ``dw[t, j] = <dout[t], src[t * k + j]>`` in fp32 (the routing weights' gradient).
+
+Each output element is written by exactly one program and every sum has a fixed order: no atomics,
+the same bits on every run. The tile table is built from the int32 ``ends`` by device ops
+(``_tile_table`` of :mod:`.moe`); the grid is sized from static bounds (rows / BM + experts tiles),
+so nothing reads a count on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from lightning_sloth.kernels._utils import launchable
+from lightning_sloth.kernels.moe import _ROW_BLOCK, _tile_table
+
+__all__ = ["TILES", "grouped_mm", "grouped_mm_weight_grad", "slot_dot", "slot_sum"]
+
+TILES: tuple[int, int, int, int, int] | None = None
+"""``(BM, BN, BK, num_warps, num_stages)`` for 16-bit CUDA operands instead of the built-in choice
+(a benchmark's sweep sets it; None keeps the default)."""
+
+
+def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> tuple[int, int, int, int, int]:
+    """``(BM, BN, BK, num_warps, num_stages)``: Hopper-sized tiles for 16-bit CUDA operands, small ones
+    elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side."""
+    big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    bm, bn, bk, warps, stages = (TILES or (128, 128, 64, 8, 3)) if big else (64, 64, 32, 4, 2)
+    bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
+    bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
+    return bm, bn, bk, warps, stages
+
+
+@triton.jit
+def _indexed_grouped_mm_kernel(
+    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, n_out, n_in, n_in2, div,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+    stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOAD_SLOTS: tl.constexpr, A_INDEXED: tl.constexpr,
+    SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_X2: tl.constexpr, BK2: tl.constexpr,
+):  # fmt: skip
+    # N tiles vary fastest: the CTAs running together share one M tile's (gathered) rows and one
+    # expert's weight in L2, instead of every N tile re-reading all rows from memory.
+    tiles_n = tl.cdiv(n_out, BN)
+    tile = tl.program_id(0) // tiles_n
+    pid_n = tl.program_id(0) % tiles_n
+    expert = tl.load(TILE_EXPERT + tile).to(tl.int64)
+    if expert >= 0:
+        row0 = tl.load(TILE_ROW + tile).to(tl.int64)
+        end = tl.load(ENDS + expert).to(tl.int64)
+        rows = row0 + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        row_mask = rows < end
+        col_mask = cols < n_out
+        if LOAD_SLOTS:
+            slots = tl.load(A_IDX + rows, mask=row_mask, other=0).to(tl.int64)
+        if A_INDEXED:
+            a_rows = slots // div
+        else:
+            a_rows = rows
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, n_in, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_mask = ks < n_in
+            x = tl.load(
+                X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                W + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                mask=k_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if x.dtype == tl.float32:
+                acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+        if SCALED:
+            acc = acc * tl.load(SCALE + slots, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_X2:  # the rank-r LoRA term into the same accumulator: no second pass over the output
+            for k0 in range(0, n_in2, BK2):
+                ks = k0 + tl.arange(0, BK2)
+                k_mask = ks < n_in2
+                x2 = tl.load(
+                    X2 + rows[:, None] * stride_x2m + ks[None, :] * stride_x2k,
+                    mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                w2 = tl.load(
+                    W2 + expert * stride_w2e + ks[:, None] * stride_w2k + cols[None, :] * stride_w2n,
+                    mask=k_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
+                if x2.dtype == tl.float32:
+                    acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x2, w2.to(x2.dtype), acc)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if OUT_INDEXED:
+            o_rows = tl.load(OUT_IDX + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            o_rows = rows
+        out_ptrs = OUT + o_rows[:, None] * stride_om + cols[None, :] * stride_on
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ends: torch.Tensor,
+    w_is_kn: bool,
+    *,
+    rows: int | None = None,
+    a_idx: torch.Tensor | None = None,
+    div: int = 1,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_idx: torch.Tensor | None = None,
+    x2: torch.Tensor | None = None,
+    w2: torch.Tensor | None = None,
+    w2_is_kn: bool = False,
+    covered: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM over ``S`` rows in expert order, operand rows and output rows through indices.
+
+    ``out[oidx(s)] (+)= scale(s) * x[aidx(s)] @ W_e + x2[s] @ W2_e + b_e``, one fp32 accumulator and
+    one rounding.
+
+    Args:
+        x: ``[S, K]`` (``a_idx`` None) or ``[T, K]`` rows read as ``x[a_idx[s] // div]``.
+        w: ``[E, K, N]`` (``w_is_kn``) or ``[E, N, K]``; any strides.
+        ends: int32 ``[E]`` cumulative row ends (``ends[-1] <= S``).
+        rows: S (default ``x.shape[0]``, or ``a_idx.shape[0]`` when indexed).
+        a_idx: int64 ``[S]``; with ``scale``, also the index of the scale.
+        div: the divisor of ``a_idx`` (top_k to go from a slot to its token).
+        scale: optional float ``[S]`` in slot order: row s's product is multiplied by ``scale[a_idx[s]]``.
+        bias: optional ``[E, N]`` added per row's expert (fp32, one rounding).
+        out: optional ``[S, N]`` to add into (fp32 sum, one rounding); else a zeroed one is made.
+        out_idx: optional int64 ``[S]``: row s is written to ``out[out_idx[s]]`` (a permutation).
+        x2: optional ``[S, r]`` rows in expert order (the LoRA side: ``s * x A^T`` or its gradient).
+        w2: ``[E, r, N]`` (``w2_is_kn``) or ``[E, N, r]``, with x2.
+        covered: ``ends[-1] == S``, so every output row is written and a new output needs no zeroing
+            (without it, rows past the last end are zero).
+
+    Returns:
+        out, ``[S, N]`` in x's dtype.
+    """
+    n_rows = rows if rows is not None else (a_idx.shape[0] if a_idx is not None else x.shape[0])
+    experts, n_in = w.shape[0], x.shape[1]
+    n_out = w.shape[2] if w_is_kn else w.shape[1]
+    accumulate = out is not None
+    if out is None:
+        out = x.new_empty((n_rows, n_out)) if covered else x.new_zeros((n_rows, n_out))
+    if n_rows == 0 or n_out == 0:
+        return out
+    if scale is not None and a_idx is None:
+        raise ValueError("grouped_mm: a per-row scale is read through a_idx")
+    bm, bn, bk, warps, stages = _tiles(x.device, x.dtype, n_out, n_in)
+    n_in2 = x2.shape[1] if x2 is not None else 0
+    bk2 = max(16, triton.next_power_of_2(max(n_in2, 1))) if n_in2 <= 64 else 64
+    if x2 is not None:
+        stride_w2k, stride_w2n = (w2.stride(1), w2.stride(2)) if w2_is_kn else (w2.stride(2), w2.stride(1))
+        x2_strides = (x2.stride(0), x2.stride(1), w2.stride(0), stride_w2k, stride_w2n)
+    else:
+        x2_strides = (0, 0, 0, 0, 0)
+    max_tiles = triton.cdiv(n_rows, bm) + experts
+    tile_expert, tile_row = _tile_table(ends, bm, max_tiles)
+    stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
+    grid = (max_tiles * triton.cdiv(n_out, bn),)
+    launchable(_indexed_grouped_mm_kernel)[grid](
+        x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
+        a_idx if a_idx is not None else ends, scale if scale is not None else out,
+        out_idx if out_idx is not None else ends, x2 if x2 is not None else x, w2 if w2 is not None else w,
+        n_out, n_in, n_in2, div,
+        x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0, *x2_strides,
+        BM=bm, BN=bn, BK=bk, LOAD_SLOTS=a_idx is not None or scale is not None, A_INDEXED=a_idx is not None, SCALED=scale is not None,
+        OUT_INDEXED=out_idx is not None, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
+        HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _indexed_weight_grad_kernel(
+    A, B, OUT, ENDS, A_IDX, A_SCALE, B_IDX, B_SCALE, n_a, n_b, div_a, div_b,
+    stride_am, stride_an, stride_bm, stride_bn, stride_oe, stride_oa, stride_ob,
+    BA: tl.constexpr, BB: tl.constexpr, BR: tl.constexpr, A_INDEXED: tl.constexpr, A_SCALED: tl.constexpr,
+    A_SLOTS: tl.constexpr, B_INDEXED: tl.constexpr, B_SCALED: tl.constexpr, B_SLOTS: tl.constexpr,
+):  # fmt: skip
+    # output tiles vary fastest: the CTAs running together read the same expert's rows (from L2)
+    expert = tl.program_id(1).to(tl.int64)
+    tiles_b = tl.cdiv(n_b, BB)
+    ia = tl.program_id(0) // tiles_b
+    ib = tl.program_id(0) % tiles_b
+    start = tl.load(ENDS + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+    end = tl.load(ENDS + expert).to(tl.int64)
+    cols_a = ia * BA + tl.arange(0, BA)
+    cols_b = ib * BB + tl.arange(0, BB)
+    mask_a = cols_a < n_a
+    mask_b = cols_b < n_b
+    acc = tl.zeros((BA, BB), dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        row_mask = rows < end
+        if A_SLOTS:
+            slot_a = tl.load(A_IDX + rows, mask=row_mask, other=0).to(tl.int64)
+        if A_INDEXED:
+            rows_a = slot_a // div_a
+        else:
+            rows_a = rows
+        if B_SLOTS:
+            slot_b = tl.load(B_IDX + rows, mask=row_mask, other=0).to(tl.int64)
+        if B_INDEXED:
+            rows_b = slot_b // div_b
+        else:
+            rows_b = rows
+        a = tl.load(
+            A + rows_a[None, :] * stride_am + cols_a[:, None] * stride_an,
+            mask=mask_a[:, None] & row_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            B + rows_b[:, None] * stride_bm + cols_b[None, :] * stride_bn,
+            mask=row_mask[:, None] & mask_b[None, :],
+            other=0.0,
+        )
+        # a per-row scale rounds the scaled operand to its dtype, as a materialised copy would
+        if A_SCALED:
+            s = tl.load(A_SCALE + slot_a, mask=row_mask, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * s[None, :]).to(A.dtype.element_ty)
+        if B_SCALED:
+            s = tl.load(B_SCALE + slot_b, mask=row_mask, other=0.0).to(tl.float32)
+            b = (b.to(tl.float32) * s[:, None]).to(B.dtype.element_ty)
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.to(a.dtype), acc)
+    tl.store(
+        OUT + expert * stride_oe + cols_a[:, None] * stride_oa + cols_b[None, :] * stride_ob,
+        acc.to(OUT.dtype.element_ty),
+        mask=mask_a[:, None] & mask_b[None, :],
+    )
+
+
+def grouped_mm_weight_grad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ends: torch.Tensor,
+    *,
+    a_idx: torch.Tensor | None = None,
+    a_div: int = 1,
+    a_scale: torch.Tensor | None = None,
+    b_idx: torch.Tensor | None = None,
+    b_div: int = 1,
+    b_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[e] = A[rows of e]^T @ B[rows of e]`` -> ``[E, A, B]`` (zero for an expert without rows).
+
+    Row s of A is ``a[a_idx[s] // a_div] * a_scale[a_idx[s]]`` (each part optional; same for B), so
+    token-order tensors enter without a gathered copy. In a's dtype.
+    """
+    experts = ends.shape[0]
+    n_a, n_b = a.shape[1], b.shape[1]
+    out = a.new_empty((experts, n_a, n_b))
+    if out.numel() == 0:
+        return out
+    if (a_scale is not None and a_idx is None) or (b_scale is not None and b_idx is None):
+        raise ValueError("grouped_mm_weight_grad: a per-row scale is read through the operand's index")
+    big = a.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
+    block_a = max(16, min(128 if big else 64, triton.next_power_of_2(n_a)))
+    block_b = max(16, min(128 if big else 64, triton.next_power_of_2(n_b)))
+    block_r = 64 if big else 32
+    grid = (triton.cdiv(n_a, block_a) * triton.cdiv(n_b, block_b), experts)
+    launchable(_indexed_weight_grad_kernel)[grid](
+        a, b, out, ends, a_idx if a_idx is not None else ends, a_scale if a_scale is not None else out,
+        b_idx if b_idx is not None else ends, b_scale if b_scale is not None else out, n_a, n_b, a_div, b_div,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        BA=block_a, BB=block_b, BR=block_r, A_INDEXED=a_idx is not None, A_SCALED=a_scale is not None,
+        A_SLOTS=a_idx is not None, B_INDEXED=b_idx is not None, B_SCALED=b_scale is not None,
+        B_SLOTS=b_idx is not None,
+        num_warps=8 if big else 4, num_stages=3 if big else 2,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _slot_sum_kernel(
+    SRC, W, OUT, n_cols, top_k, stride_src, stride_out, HAS_W: tl.constexpr, BLOCK: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, top_k):
+        values = tl.load(SRC + (token * top_k + j) * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            values = values * tl.load(W + token * top_k + j).to(tl.float32)
+        acc += values
+    tl.store(OUT + token * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def slot_sum(src: torch.Tensor, top_k: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j (w[t, j] *) src[t * k + j]`` in fp32, j in order; src ``[T k, H]`` -> ``[T, H]``."""
+    tokens = src.shape[0] // top_k
+    out = src.new_empty((tokens, src.shape[1]))
+    if out.numel() == 0:
+        return out
+    block = min(_ROW_BLOCK, triton.next_power_of_2(src.shape[1]))
+    launchable(_slot_sum_kernel)[(tokens, triton.cdiv(src.shape[1], block))](
+        src, weights if weights is not None else src, out, src.shape[1], top_k, src.stride(0), out.stride(0),
+        HAS_W=weights is not None, BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _slot_dot_kernel(DOUT, SRC, DW, n_cols, top_k, stride_dout, stride_src, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    for j in range(0, top_k):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            dout = tl.load(DOUT + token * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(SRC + (token * top_k + j) * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += dout * y
+        tl.store(DW + token * top_k + j, tl.sum(acc, axis=0))
+
+
+def slot_dot(dout: torch.Tensor, src: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``dw[t, j] = <dout[t], src[t * k + j]>`` as float32 ``[T, k]``."""
+    tokens = dout.shape[0]
+    dw = torch.zeros((tokens, top_k), dtype=torch.float32, device=dout.device)
+    if tokens == 0 or dout.shape[1] == 0:
+        return dw
+    block = min(_ROW_BLOCK, triton.next_power_of_2(dout.shape[1]))
+    launchable(_slot_dot_kernel)[(tokens,)](
+        dout, src, dw, dout.shape[1], top_k, dout.stride(0), src.stride(0), BLOCK=block
+    )
+    return dw

@@ -1,0 +1,157 @@
+"""Grouped GEMMs whose rows are read and written through the routing permutation, on both paths.
+
+The building blocks of :mod:`.fused`: each function runs the Triton kernel of
+``lightning_sloth.kernels.moe_fused`` on CUDA float16/bfloat16/float32 (and, under
+``TRITON_INTERPRET=1``, on CPU float32/float16) and otherwise a plain-torch reference that makes the
+gathered copy the kernel avoids (``index_select``, the per-expert loop of :mod:`.gemm`, a weighted
+sum). Rows are in expert order; ``perm[s]`` is the slot ``t * k + j`` of sorted row s.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from lightning_sloth.moe.gemm import _weight_grad, grouped_mm_reference
+from lightning_sloth.moe.quant import _weight as _dequantized
+from lightning_sloth.ops.registry import TRITON_OPS, use_triton
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if TRITON_OPS or _INTERPRETED:
+    from lightning_sloth.kernels import moe_fused as _kernels
+
+__all__ = [
+    "bias_grad",
+    "expert_weight",
+    "indexed_grouped_mm",
+    "indexed_weight_grad",
+    "slot_dot",
+    "slot_sum",
+    "use_kernels",
+]
+
+
+def use_kernels(t: Tensor) -> bool:
+    """Whether ``t`` goes to the Triton kernels: CUDA 16/32-bit floats, or float32/float16 under the interpreter."""
+    return use_triton(t) or (_INTERPRETED and t.dtype in (torch.float32, torch.float16))
+
+
+def expert_weight(weight: Tensor, absmax: Tensor | None, code: Tensor | None, blocksize: int, shape, dtype):
+    """The ``[E, ., .]`` expert weight in ``dtype``: the dense weight, or the 4-bit storage (``absmax``
+    given) dequantised into the reusable buffer of :mod:`.quant`."""
+    if absmax is None:
+        return weight.to(dtype)
+    return _dequantized(weight, absmax, code, blocksize, shape, dtype)
+
+
+# --------------------------------------------------------------------- indexed GEMM, both paths
+def indexed_grouped_mm(
+    x: Tensor,
+    w: Tensor,
+    ends: Tensor,
+    w_is_kn: bool,
+    *,
+    a_idx: Tensor | None = None,
+    div: int = 1,
+    scale: Tensor | None = None,
+    bias: Tensor | None = None,
+    expert_ids: Tensor | None = None,
+    out: Tensor | None = None,
+    out_idx: Tensor | None = None,
+    x2: Tensor | None = None,
+    w2: Tensor | None = None,
+    w2_is_kn: bool = False,
+) -> Tensor:
+    """``out[out_idx[s]] (+)= scale[a_idx[s]] * x[a_idx[s] // div] @ W_e + x2[s] @ W2_e (+ b_e)``.
+
+    Each part optional; ``W2_e = w2[e]`` (``w2_is_kn``, ``[E, r, N]``) or ``w2[e].T`` (``[E, N, r]``).
+    One fp32 sum, one rounding (the kernel's epilogue adds the rank-r term, so the output is written
+    once). The rows are a whole grouping (``ends[-1] == S``): every output row is written, so a new
+    output is not zeroed first.
+    """
+    if use_kernels(x):
+        return _kernels.grouped_mm(
+            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx,
+            x2=x2, w2=w2, w2_is_kn=w2_is_kn, covered=True,
+        )  # fmt: skip
+    rows = x if a_idx is None else x.index_select(0, a_idx // div)
+    prod = grouped_mm_reference(rows, w, ends, transposed=w_is_kn)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    if scale is not None or bias is not None or x2 is not None:
+        value = prod.to(compute)
+        if scale is not None:
+            value = value * scale.to(compute).index_select(0, a_idx)[:, None]
+        if x2 is not None:
+            value = value + grouped_mm_reference(x2.to(compute), w2.to(compute), ends, transposed=w2_is_kn)
+        if bias is not None:
+            value = value + bias.to(compute).index_select(0, expert_ids)
+        prod = value.to(x.dtype)
+    if out is None:
+        return prod if out_idx is None else torch.empty_like(prod).index_copy_(0, out_idx, prod)
+    if out_idx is None:
+        return out.copy_((out.to(compute) + prod.to(compute)).to(out.dtype))
+    summed = out.index_select(0, out_idx).to(compute) + prod.to(compute)
+    return out.index_copy_(0, out_idx, summed.to(out.dtype))
+
+
+def indexed_weight_grad(
+    a, b, ends, *, a_idx=None, a_div=1, a_scale=None, b_idx=None, b_div=1, b_scale=None
+) -> Tensor:
+    """``[E, A, B]``: ``A[rows of e]^T B[rows of e]`` with either operand's rows read through an index."""
+    if use_kernels(a):
+        return _kernels.grouped_mm_weight_grad(
+            a, b, ends, a_idx=a_idx, a_div=a_div, a_scale=a_scale, b_idx=b_idx, b_div=b_div, b_scale=b_scale
+        )
+    compute = torch.promote_types(a.dtype, torch.float32)
+
+    def rows(t, idx, div, scale):
+        if idx is None:
+            return t
+        t = t.index_select(0, idx // div)
+        if scale is None:
+            return t
+        return (t.to(compute) * scale.to(compute).index_select(0, idx)[:, None]).to(t.dtype)
+
+    return _weight_grad(rows(a, a_idx, a_div, a_scale), rows(b, b_idx, b_div, b_scale), ends)
+
+
+def slot_sum(src: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
+    """``[T, N]``: ``sum_j (w[t, j] *) src[t k + j]`` of slot-ordered ``[T k, N]`` rows, fp32, j in order."""
+    if use_kernels(src):
+        return _kernels.slot_sum(src, top_k, weights)
+    compute = torch.promote_types(src.dtype, torch.float32)
+    rows = src.to(compute).view(-1, top_k, src.shape[1])
+    if weights is not None:
+        rows = rows * weights.to(compute).view(-1, top_k, 1)
+    return rows.sum(dim=1).to(src.dtype)
+
+
+def slot_dot(dout: Tensor, src: Tensor, top_k: int) -> Tensor:
+    """float32 ``[T, k]``: ``<dout[t], src[t k + j]>`` (the routing weights' gradient)."""
+    if use_kernels(dout):
+        return _kernels.slot_dot(dout, src, top_k)
+    compute = torch.promote_types(src.dtype, torch.float32)
+    return (src.to(compute).view(-1, top_k, src.shape[1]) * dout.to(compute)[:, None, :]).sum(-1)
+
+
+def bias_grad(
+    grad: Tensor, ends: Tensor, expert_ids: Tensor, idx: Tensor | None = None, div: int = 1, scale=None
+) -> Tensor:
+    """``[E, N]``: per expert, the sum of its rows of ``grad`` (row s read as ``grad[idx[s] // div] *
+    scale[idx[s]]`` when indexed; ``expert_ids`` int64 ``[S]`` the expert of each sorted row).
+
+    With the kernels: a weight gradient against a column of ones, one program per output tile
+    summing its rows in order (``index_add_`` adds with atomics on CUDA). Elsewhere ``index_add_``
+    (ordered on CPU), which traces without reading the row ends on the host.
+    """
+    if use_kernels(grad):
+        ones = grad.new_ones((idx.shape[0] if idx is not None else grad.shape[0], 1))
+        return indexed_weight_grad(ones, grad, ends, b_idx=idx, b_div=div, b_scale=scale)[:, 0]
+    compute = torch.promote_types(grad.dtype, torch.float32)
+    rows = grad.to(compute) if idx is None else grad.to(compute).index_select(0, idx // div)
+    if scale is not None:
+        rows = rows * scale.to(compute).index_select(0, idx)[:, None]
+    out = rows.new_zeros((ends.shape[0], grad.shape[1])).index_add_(0, expert_ids, rows)
+    return out.to(grad.dtype)

@@ -1,0 +1,386 @@
+"""Fused permutation (``lightning_sloth.moe.fused``): the GEMMs read and write token rows through perm.
+
+Plain-torch path (CPU, float64): both ops equal the separate passes (gather, grouped GEMM + LoRA,
+combine / sum) in the output and every gradient, for both weight layouts, top_k 1/2/4, experts with
+zero tokens, rank 0 and with a bias; opcheck; 4-bit experts; a tiny Qwen3-MoE and GPT-OSS with LoRA
+on the experts give the same loss and gradients with the switch on and off.
+
+Triton kernels (``interpreted`` cases, rerun under ``TRITON_INTERPRET=1`` by the launcher test):
+the same in float32 against float64, bit-identical across two runs, and the tiny models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _interpreter import INTERPRETED, interpreted_only, launcher_only, run_interpreted_cases
+from peft import LoraConfig, get_peft_model
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from lightning_sloth.moe import fused, group_by_expert, moe_combine, moe_gather, moe_sum
+from lightning_sloth.moe.fused import gather_lora_grouped_mm, lora_grouped_mm_combine, set_fused_permutation
+from lightning_sloth.moe.gemm import lora_grouped_mm
+from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference, quantize_4bit
+from lightning_sloth.patching import apply_experts
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture
+def fused_switch():
+    """Restore the switch after a test that flips it."""
+    before = fused.fused_permutation_enabled()
+    yield set_fused_permutation
+    set_fused_permutation(before)
+
+
+def _routing(tokens, experts, top_k, seed, used=None):
+    """Routing where only ``used`` experts (default all) get tokens: the others have zero rows."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(used if used is not None else range(experts))
+    index = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:top_k]] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
+    return group_by_expert(index, experts), weights
+
+
+def _case(transposed, top_k, rank, bias, seed=0, tokens=9, experts=7, n_in=19, n_out=23):
+    gen = torch.Generator().manual_seed(seed)
+    grouping, weights = _routing(tokens, experts, top_k, seed, used=[1, 2, 4, 5, 6])  # 0 and 3 idle
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    w = rnd(*((experts, n_in, n_out) if transposed else (experts, n_out, n_in)))
+    lora = (rnd(experts, rank, n_in), rnd(experts, n_out, rank)) if rank else (None, None)
+    return dict(
+        grouping=grouping,
+        weights=weights,
+        x=rnd(tokens, n_in),
+        a=rnd(tokens * top_k, n_in),
+        w=w,
+        lora=lora,
+        bias=rnd(experts, n_out) if bias else None,
+        top_k=top_k,
+        transposed=transposed,
+    )
+
+
+def _leaves(case, dtype):
+    out = {}
+    for key in ("x", "a", "w", "bias", "weights"):
+        t = case[key]
+        out[key] = None if t is None else t.detach().to(dtype).requires_grad_()
+    out["lora"] = tuple(None if t is None else t.detach().to(dtype).requires_grad_() for t in case["lora"])
+    return out
+
+
+def _first(case, t, fused_path):
+    g, k = case["grouping"], case["top_k"]
+    lora_a, lora_b = t["lora"]
+    kw = dict(transposed=case["transposed"], bias=t["bias"], expert_ids=g.expert_ids)
+    if fused_path:
+        return gather_lora_grouped_mm(t["x"], g.perm, k, t["w"], lora_a, lora_b, 0.5, g.ends, **kw)
+    x = moe_gather(t["x"], g.perm, g.inv, k)
+    if lora_a is None:
+        from lightning_sloth.moe import grouped_mm
+
+        return grouped_mm(x, t["w"], g.ends, **kw)
+    return lora_grouped_mm(x, t["w"], lora_a, lora_b, 0.5, g.ends, **kw)
+
+
+def _second(case, t, fused_path, weighted):
+    g, k = case["grouping"], case["top_k"]
+    lora_a, lora_b = t["lora"]
+    weights = t["weights"] if weighted else None
+    kw = dict(transposed=case["transposed"], bias=t["bias"], expert_ids=g.expert_ids)
+    if fused_path:
+        return lora_grouped_mm_combine(t["a"], weights, g.perm, k, t["w"], lora_a, lora_b, 0.5, g.ends, **kw)
+    if lora_a is None:
+        from lightning_sloth.moe import grouped_mm
+
+        y = grouped_mm(t["a"], t["w"], g.ends, **kw)
+    else:
+        y = lora_grouped_mm(t["a"], t["w"], lora_a, lora_b, 0.5, g.ends, **kw)
+    return moe_combine(y, weights, g.perm, g.inv) if weighted else moe_sum(y, g.perm, g.inv, k)
+
+
+def _grads(out, t, grad):
+    leaves = [v for v in (t["x"], t["a"], t["w"], t["bias"], t["weights"], *t["lora"]) if v is not None]
+    got = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return [torch.zeros_like(v) if g is None else g for v, g in zip(leaves, got, strict=True)]
+
+
+def _compare(case, dtype, rtol, atol, weighted=True):
+    """Both fused ops in ``dtype`` against the separate passes in float64: outputs and every gradient."""
+    results = {}
+    for fused_path, dt in ((False, torch.float64), (True, dtype)):
+        t = _leaves(case, dt)
+        first = _first(case, t, fused_path)
+        second = _second(case, t, fused_path, weighted)
+        g1 = torch.linspace(-1, 1, first.numel(), dtype=dt).view_as(first)
+        g2 = torch.linspace(1, -1, second.numel(), dtype=dt).view_as(second)
+        results[fused_path] = (first, second, _grads((first, second), t, (g1, g2)))
+    (f_ref, s_ref, g_ref), (f, s, g) = results[False], results[True]
+    torch.testing.assert_close(f.double(), f_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(s.double(), s_ref, rtol=rtol, atol=atol)
+    for got, want in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
+    return f, s, g
+
+
+# ------------------------------------------------------------------------- plain-torch path
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_ops_equal_the_separate_passes_in_float64(transposed, top_k):
+    for rank, bias, weighted in ((3, False, True), (0, True, True), (3, True, False)):
+        _compare(_case(transposed, top_k, rank, bias), torch.float64, 1e-12, 1e-12, weighted)
+
+
+def test_opcheck_both_ops():
+    case = _case(False, 2, 3, True)
+    t = _leaves(case, torch.float64)
+    g, k = case["grouping"], case["top_k"]
+    empty = g.ends.new_zeros(0, dtype=torch.int64)
+    a_, b_ = t["lora"]
+    torch.library.opcheck(
+        torch.ops.sloth.moe_gather_lora_grouped_mm.default,
+        (t["x"], g.perm, k, t["w"], None, None, 0, list(t["w"].shape), t["bias"], a_, b_, 0.5, g.ends,
+         g.expert_ids, False),
+    )  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.sloth.moe_lora_grouped_mm_combine.default,
+        (t["a"], t["weights"], g.perm, k, t["w"], None, None, 0, list(t["w"].shape), None, a_, b_, 0.5, g.ends,
+         empty, False),
+    )  # fmt: skip
+
+
+def test_flops_are_counted():
+    case = _case(False, 2, 0, False)
+    t = _leaves(case, torch.float64)
+    t["w"].requires_grad_(False)  # frozen base weight: no weight gradient GEMM
+    with FlopCounterMode(display=False) as counter:
+        _first(case, t, True).sum().backward()
+    rows, (_, n_out, n_in) = case["a"].shape[0], case["w"].shape
+    assert counter.get_total_flops() == 2 * (2 * rows * n_out * n_in)  # forward + the input's gradient
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_4bit_experts_equal_the_dequantised_weight(transposed):
+    case = _case(transposed, 2, 3, False, n_in=32, n_out=48)
+    t = _leaves(case, torch.float32)
+    storage = quantize_4bit(t["w"].detach(), "nf4")
+    dense = dequantize_4bit_reference(storage, torch.float32)
+    g, k = case["grouping"], 2
+    lora_a, lora_b = t["lora"]
+    kw = dict(transposed=transposed, expert_ids=g.expert_ids)
+    outs = []
+    for weight, packed in ((dense, None), (None, storage)):
+        h = gather_lora_grouped_mm(
+            t["x"], g.perm, k, weight, lora_a, lora_b, 0.5, g.ends, storage=packed, **kw
+        )
+        a = h[:, :32] if not transposed else h[:, :32]
+        y = lora_grouped_mm_combine(
+            a, t["weights"], g.perm, k, weight, lora_a, lora_b, 0.5, g.ends, storage=packed, **kw
+        )
+        outs.append((y, torch.autograd.grad(y.sum(), (t["x"], t["weights"], lora_a, lora_b))))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    for got, want in zip(outs[1][1], outs[0][1], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_bad_input_is_named():
+    case = _case(False, 2, 3, False)
+    g = case["grouping"]
+    with pytest.raises(ValueError, match="gather_lora_grouped_mm.*do not fit"):
+        gather_lora_grouped_mm(case["x"][:, :5], g.perm, 2, case["w"], *case["lora"], 0.5, g.ends)
+    with pytest.raises(ValueError, match="perm has"):
+        gather_lora_grouped_mm(case["x"], g.perm, 3, case["w"], *case["lora"], 0.5, g.ends)
+    with pytest.raises(ValueError, match="weights"):
+        lora_grouped_mm_combine(
+            case["a"], case["weights"][:-1], g.perm, 2, case["w"], *case["lora"], 0.5, g.ends
+        )
+    with pytest.raises(ValueError, match="a bias needs expert_ids"):
+        gather_lora_grouped_mm(
+            case["x"], g.perm, 2, case["w"], *case["lora"], 0.5, g.ends, bias=case["w"][:, :, 0]
+        )
+
+
+# ---------------------------------------------------------------------------- tiny models
+_COMMON = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2,
+)  # fmt: skip
+
+
+def _tiny(family, layers=2):
+    torch.manual_seed(0)
+    common = {**_COMMON, "num_hidden_layers": layers}
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=48,
+            norm_topk_prob=True, attn_implementation="sdpa",
+        )  # fmt: skip
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        config = GptOssConfig(
+            **common,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            intermediate_size=24,
+            attn_implementation="eager",
+        )
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "experts" in name or "router" in name:
+                    param.normal_(0.0, 0.3)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )  # fmt: skip
+    model = get_peft_model(model.float(), lora).train()
+    apply_experts(model)
+    return model
+
+
+def _model_run(model, ids, switch, enabled):
+    switch(enabled)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _model_parity(family, switch, layers=1):
+    model = _tiny(family, layers)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    loss_ref, grads_ref = _model_run(model, ids, switch, False)
+    loss, grads = _model_run(model, ids, switch, True)
+    assert grads.keys() == grads_ref.keys() and any("experts" in n for n in grads)
+    assert abs(float(loss - loss_ref)) <= 1e-5 * abs(float(loss_ref))
+    for name, want in grads_ref.items():
+        rel = float((grads[name] - want).norm() / want.norm().clamp_min(1e-30))
+        assert rel <= 1e-5, (name, rel)
+    return loss, grads
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreted run has its own model case")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_tiny_model_equals_the_current_experts_path(family, fused_switch):
+    _model_parity(family, fused_switch)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiled in the normal run")
+def test_block_with_the_switch_on_compiles_fullgraph_with_the_same_result(fused_switch):
+    """Both ops have fake and autograd implementations: Dynamo traces a GPT-OSS block (router, bias,
+    clamped SwiGLU, weighted combine, PEFT LoRA on the experts) in one graph."""
+    block = _tiny("gpt_oss", layers=1).base_model.model.model.layers[0].mlp
+    fused_switch(True)
+    x = torch.randn(1, 9, 32, requires_grad=True)
+    grad = torch.randn(1, 9, 32)
+    params = [x, *(p for p in block.parameters() if p.requires_grad)]
+    expected = block(x)[0]
+    expected_grads = torch.autograd.grad(expected, params, grad)
+    torch._dynamo.reset()
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(x)[0]
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out, params, grad), expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_switch_is_off_by_default_and_one_flag(fused_switch):
+    assert fused.fused_permutation_enabled() is False
+    fused_switch(True)
+    assert fused.fused_permutation_enabled() is True
+
+
+# ------------------------------------------------------------------------------ Triton kernels
+@interpreted_only
+@pytest.mark.parametrize(
+    "top_k, transposed, rank, bias, weighted",
+    [(1, False, 3, False, True), (2, True, 0, True, True), (4, True, 3, False, False)],
+)
+def test_kernels_interpreted_ops_match_float64_and_are_deterministic(top_k, transposed, rank, bias, weighted):
+    case = _case(transposed, top_k, rank, bias, n_in=19, n_out=22)
+    first, second, grads = _compare(case, torch.float32, 2e-5, 2e-5, weighted)
+    t = _leaves(case, torch.float32)  # a second run: the same bits (no atomics, fixed sum orders)
+    again = (_first(case, t, True), _second(case, t, True, weighted))
+    grads_again = _grads(
+        again, t, tuple(torch.linspace(s, -s, v.numel()).view_as(v) for s, v in zip((-1, 1), again))
+    )
+    assert torch.equal(again[0], first) and torch.equal(again[1], second)
+    assert all(torch.equal(a, b) for a, b in zip(grads_again, grads, strict=True))
+
+
+def _non_contiguous_equals_contiguous():
+    case = _case(True, 2, 3, True)
+    g = case["grouping"]
+    kw = dict(transposed=True, bias=case["bias"].float(), expert_ids=g.expert_ids)
+    lora = tuple(t.float() for t in case["lora"])
+    x, a = case["x"].float(), case["a"].float()
+    x_strided = torch.empty(x.shape[1], x.shape[0]).t().copy_(x)  # column-major rows
+    a_strided = torch.empty(a.shape[0], 2 * a.shape[1])[:, ::2].copy_(a)  # every other column
+    w = case["w"].float()
+    w_strided = w.transpose(1, 2).contiguous().transpose(1, 2)
+    for xx, aa, ww in ((x, a, w), (x_strided, a_strided, w_strided)):
+        first = gather_lora_grouped_mm(xx, g.perm, 2, ww, *lora, 0.5, g.ends, **kw)
+        second = lora_grouped_mm_combine(aa, case["weights"].float(), g.perm, 2, ww, *lora, 0.5, g.ends, **kw)
+        if xx is x:
+            expected = (first, second)
+    torch.testing.assert_close(first, expected[0])
+    torch.testing.assert_close(second, expected[1])
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    _non_contiguous_equals_contiguous()
+
+
+@interpreted_only
+def test_kernels_interpreted_non_contiguous_inputs_give_the_same_result():
+    _non_contiguous_equals_contiguous()
+
+
+@interpreted_only
+def test_kernels_interpreted_indexed_weight_grad_and_slot_kernels():
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    grouping, weights = _routing(7, 5, 3, 1, used=[0, 2, 3])
+    flat = weights.reshape(-1).float()
+    x = torch.randn(7, 13)
+    grad = torch.randn(21, 9)
+    got = kernels.grouped_mm_weight_grad(grad, x, grouping.ends, b_idx=grouping.perm, b_div=3)
+    rows = x.double()[grouping.perm // 3]
+    want = torch.stack([grad.double()[s].t() @ rows[s] for s in _slices(grouping.ends)])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    got = kernels.grouped_mm_weight_grad(x, grad, grouping.ends, a_idx=grouping.perm, a_div=3, a_scale=flat)
+    scaled = rows * flat.double()[grouping.perm, None]
+    want = torch.stack([scaled[s].t() @ grad.double()[s] for s in _slices(grouping.ends)])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    src = torch.randn(21, 9)
+    torch.testing.assert_close(
+        kernels.slot_sum(src, 3, flat), (src.view(7, 3, 9) * weights.float()[..., None]).sum(1)
+    )
+    dout = torch.randn(7, 9)
+    torch.testing.assert_close(kernels.slot_dot(dout, src, 3), (src.view(7, 3, 9) * dout[:, None]).sum(-1))
+
+
+def _slices(ends):
+    start = 0
+    for end in ends.tolist():
+        yield slice(start, end)
+        start = end
+
+
+@interpreted_only
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_kernels_interpreted_tiny_model_equals_the_current_experts_path(family, fused_switch):
+    _model_parity(family, fused_switch, layers=1)
+
+
+@launcher_only
+def test_kernels_under_triton_interpreter():
+    result = run_interpreted_cases(__file__)
+    assert result.returncode == 0 and " passed" in result.stdout, (
+        result.stdout[-5000:] + result.stderr[-2000:]
+    )
