@@ -37,6 +37,12 @@ set next to the ``transform_model`` rows):
     sloth_trainer_nf4      + ``SlothPrecision(quantize="nf4")`` (QLoRA scenarios);
                            ``sloth_trainer_nf4_offload`` with offload.
 
+FP8 systems (``systems=fp8``; FP8 tensor cores, sm89+):
+    sloth_fp8              ``sloth_kernels`` with the frozen base linear layers in FP8 e4m3
+                           (``SlothPrecision(base_dtype="fp8")``); ``sloth_fp8_e5m2`` and
+                           ``sloth_fp8_bf16grad`` with the other input-gradient formats.
+    sloth_nf4_fp8          ``sloth_nf4``'s NF4 weights requantised to FP8 (QLoRA, FP8 compute).
+
 The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
 
 The peers (transformers + PEFT, Liger-Kernel, Unsloth, bitsandbytes) are in
@@ -64,6 +70,7 @@ from lightning_sloth.bench.workload import (
 )
 from lightning_sloth.ops import lora_groups
 from lightning_sloth.patching import OPS
+from lightning_sloth.quant.fp8 import fp8_base_model
 from lightning_sloth.transform import transform_model
 
 
@@ -213,6 +220,20 @@ def _sloth_4bit(**settings) -> Callable:
     return setup
 
 
+def _sloth_fp8(grad_format: str = "e4m3", from_4bit: bool = False, **settings) -> Callable:
+    """lightning_sloth on FP8 base weights: the bf16 (or NF4) model with PEFT LoRA, its base linear
+    layers requantised to FP8 e4m3 (``lm_head`` kept), then ``transform_model(kernels=True)``."""
+
+    def setup(workload: Workload):
+        base = quantized_base_model(workload) if from_4bit else None
+        model = build_model(workload, "sdpa", checkpointing=False, base=base)
+        fp8_base_model(model, grad_format=grad_format)
+        model._sloth_report = transform_model(model, kernels=True, **settings)
+        return model
+
+    return setup
+
+
 SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "hf_padded": SuiteSystem("transformers + PEFT, SDPA, padded micro-batches of 8 (baseline)"),
     "hf_packed_sdpa": SuiteSystem("transformers + PEFT, packed rows, its own SDPA"),
@@ -355,6 +376,30 @@ SUITE_SYSTEMS.update(
         "sloth_trainer_nf4_offload": SuiteSystem(
             'lightning_sloth: Trainer, quantize="nf4" + offload="on" (user path)',
             trainer=partial(run_trainer_system, quantize="nf4", offload="on"),
+        ),
+    }
+)
+
+
+# FP8 base weights (systems=fp8): beside sloth_kernels (bf16 bases) and sloth_nf4 (NF4 bases).
+SUITE_SYSTEMS.update(
+    {
+        "sloth_fp8": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8" (kernels=True)', _sloth_fp8(), packed_batches
+        ),
+        "sloth_fp8_e5m2": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", fp8_grad="e5m2"', _sloth_fp8("e5m2"), packed_batches
+        ),
+        "sloth_fp8_bf16grad": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", fp8_grad="bf16"', _sloth_fp8("bf16"), packed_batches
+        ),
+        "sloth_fp8_offload": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8" + offload="on"', _sloth_fp8(offload="on"), packed_batches
+        ),
+        "sloth_nf4_fp8": SuiteSystem(
+            'lightning_sloth, quantize="nf4" + base_dtype="fp8" (QLoRA, FP8 compute)',
+            _sloth_fp8(from_4bit=True),
+            packed_batches,
         ),
     }
 )

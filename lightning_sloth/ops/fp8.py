@@ -1,0 +1,170 @@
+"""FP8 frozen-base products as ops: ``sloth::linear_fp8`` (``x W^T``) and its input gradient
+``sloth::linear_fp8_grad`` (``dy W``), W stored in e4m3 with one float32 scale per output channel.
+
+::
+
+    forward   q_x, s_x = rowwise_e4m3(x)                       x [M, K] -> codes, s_x [M, 1]
+              y = _scaled_mm(q_x, q_W^T, s_x, s_W^T)           bf16 [M, N], float32 accumulation
+    backward  e4m3 / e5m2:  q_g, s_g = rowwise(dy * s_W^T)      W's scales folded into dy's columns
+                            dx = _scaled_mm(q_g, q_W, s_g, 1)
+              bf16:         dx = dy @ bf16(q_W * s_W)           a 16-bit GEMM on the dequantised weight
+
+The ops take W's codes as ``uint8`` (the e4m3 bits; viewed back inside): the op checks of
+``torch.library`` compare their arguments with arithmetic CPU float8 tensors do not have.
+
+Only the input gradient exists: the weight is frozen (LoRA trains beside it, in the compute dtype).
+Saved for the backward: the FP8 weight and its scales (module state, nothing new per call).
+
+Where the FP8 GEMM runs: CUDA devices with FP8 tensor cores (sm89+), bfloat16 activations, ``K`` and
+``N`` multiples of 16 (``torch._scaled_mm``'s layout rule; every transformer projection meets it).
+Everywhere else (CPU, float32, odd shapes) the body is the plain-torch emulation of
+:mod:`lightning_sloth.ops.fp8_formats` (quantise, dequantise, float32 matmul), which is also the
+oracle of the GPU path: the two differ only in float32 accumulation order and the final rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from lightning_sloth.ops.fp8_formats import (
+    FP8_DTYPES,
+    check_grad_format,
+    dequantize_rows,
+    fp8_linear_grad_reference,
+    fp8_linear_reference,
+    fp8_supported,
+    quantize_rows,
+)
+from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
+
+__all__ = ["linear_fp8", "linear_fp8_grad", "scaled_mm_applies"]
+
+_E4M3 = FP8_DTYPES["e4m3"]
+
+
+@functools.cache
+def _device_has_fp8(index: int) -> bool:
+    return fp8_supported(index)
+
+
+def scaled_mm_applies(x: Tensor, n: int) -> bool:
+    """Whether the product of ``x [M, K]`` with an ``[n, K]`` FP8 weight runs ``torch._scaled_mm``
+    (CUDA with FP8 tensor cores, bfloat16, ``K`` and ``n`` multiples of 16), not the emulation."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and x.shape[-1] % 16 == 0
+        and n % 16 == 0
+        and _device_has_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    )
+
+
+@sloth_op("linear_fp8")
+def _linear_op(x: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``x [M, K] @ W^T`` for the e4m3 ``W [N, K]`` (its bits, uint8) with scales ``[N, 1]``;
+    ``grad_format`` is for the backward."""
+    weight = weight_bits.view(_E4M3)
+    if scaled_mm_applies(x, weight.shape[0]):
+        qx, sx = quantize_rows(x, "e4m3")
+        return torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
+    return fp8_linear_reference(x, weight, weight_scale)
+
+
+@_linear_op.register_fake
+def _linear_fake(x, weight, weight_scale, grad_format):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@sloth_op("linear_fp8_grad")
+def _grad_op(dy: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``dy [M, N] @ W`` for the e4m3 ``W [N, K]`` (its bits, uint8): the input gradient (see the module notes)."""
+    weight = weight_bits.view(_E4M3)
+    if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
+        qg, sg = quantize_rows(dy.float() * weight_scale.t(), grad_format)
+        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
+        # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
+        w_col = weight.t().contiguous().t()
+        return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+    if grad_format == "bf16" and dy.device.type == "cuda":
+        return dy @ dequantize_rows(weight, weight_scale, dy.dtype)
+    return fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
+
+
+@_grad_op.register_fake
+def _grad_fake(dy, weight, weight_scale, grad_format):
+    return dy.new_empty((dy.shape[0], weight.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, weight_scale, grad_format = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.grad_format = grad_format
+
+
+def _backward(ctx, grad_y):
+    weight, weight_scale = ctx.saved_tensors
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise RuntimeError("sloth::linear_fp8: the FP8 base weight is frozen; it has no gradient")
+    dx = call(_grad_op, grad_y.contiguous(), weight, weight_scale, ctx.grad_format)
+    return dx, None, None, None
+
+
+register_autograd(_linear_op, _backward, _setup_context)
+register_flops(_linear_op, lambda x, w, s, fmt, out_shape=None: 2 * x[0] * x[1] * w[0])
+register_flops(_grad_op, lambda dy, w, s, fmt, out_shape=None: 2 * dy[0] * dy[1] * w[1])
+
+
+def _check(x: Tensor, weight: Tensor, weight_scale: Tensor, name: str) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{name} computes in float16/bfloat16/float32, got {x.dtype}")
+    if weight.dtype != _E4M3 or weight.dim() != 2:
+        raise TypeError(
+            f"{name}: the weight must be [out, in] float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0], 1):
+        raise ValueError(
+            f"{name}: weight_scale must be float32 [{weight.shape[0]}, 1] (one per output channel), "
+            f"got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if len({x.device, weight.device, weight_scale.device}) > 1:
+        raise ValueError(f"{name}: x ({x.device}) and the FP8 weight ({weight.device}) must share a device")
+
+
+def linear_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str = "e4m3") -> Tensor:
+    """``x @ W.T`` for the frozen FP8 weight ``W``, x quantised per row to e4m3 on the fly.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32 (the FP8 GEMM runs for bfloat16 on sm89+ CUDA).
+        weight: ``[out, in]`` ``float8_e4m3fn`` codes.
+        weight_scale: ``[out, 1]`` float32 per-output-channel scales.
+        grad_format: how the input gradient is computed: ``"e4m3"``, ``"e5m2"`` or ``"bf16"``
+            (see :data:`~lightning_sloth.ops.fp8_formats.GRAD_FORMATS`).
+
+    Returns:
+        ``[..., out]`` in x's dtype; the gradient flows to x only.
+    """
+    _check(x, weight, weight_scale, "linear_fp8")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"linear_fp8: x {tuple(x.shape)} does not fit the weight {tuple(weight.shape)} [out, in]"
+        )
+    rows = x.reshape(-1, x.shape[-1])
+    y = call(_linear_op, rows, weight.view(torch.uint8), weight_scale, check_grad_format(grad_format))
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_fp8_grad(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str = "e4m3") -> Tensor:
+    """``dy @ W``: the input gradient of :func:`linear_fp8` for ``dy [..., out]``, as ``[..., in]``."""
+    _check(dy, weight, weight_scale, "linear_fp8_grad")
+    if weight.shape[0] != dy.shape[-1]:
+        raise ValueError(
+            f"linear_fp8_grad: dy {tuple(dy.shape)} does not fit the weight {tuple(weight.shape)}"
+        )
+    rows = dy.reshape(-1, dy.shape[-1])
+    dx = call(
+        _grad_op, rows.contiguous(), weight.view(torch.uint8), weight_scale, check_grad_format(grad_format)
+    )
+    return dx.view(*dy.shape[:-1], weight.shape[1])
