@@ -15,6 +15,10 @@ The ops take W's codes as ``uint8`` (the e4m3 bits; viewed back inside): the op 
 Only the input gradient exists: the weight is frozen (LoRA trains beside it, in the compute dtype).
 Saved for the backward: the FP8 weight and its scales (module state, nothing new per call).
 
+The per-row quantisation is one Triton kernel on CUDA (``lightning_sloth.kernels.fp8``: amax, scale
+and codes from one read of the input, W's scales multiplied in for the gradient), bit-identical to
+the plain-torch :func:`~lightning_sloth.ops.fp8_formats.quantize_rows`.
+
 Where the FP8 GEMM runs: CUDA devices with FP8 tensor cores (sm89+), bfloat16 activations, ``K`` and
 ``N`` multiples of 16 (``torch._scaled_mm``'s layout rule; every transformer projection meets it).
 Everywhere else (CPU, float32, odd shapes) the body is the plain-torch emulation of
@@ -38,7 +42,17 @@ from lightning_sloth.ops.fp8_formats import (
     fp8_supported,
     quantize_rows,
 )
-from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
+from lightning_sloth.ops.registry import (
+    TRITON_OPS,
+    call,
+    register_autograd,
+    register_flops,
+    sloth_op,
+    use_triton,
+)
+
+if TRITON_OPS:
+    from lightning_sloth.kernels import fp8 as _kernels
 
 __all__ = ["linear_fp8", "linear_fp8_grad", "scaled_mm_applies"]
 
@@ -62,13 +76,20 @@ def scaled_mm_applies(x: Tensor, n: int) -> bool:
     )
 
 
+def _quantize(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Row-wise codes and scales of ``t`` (times ``col_scale [K]`` per column): the kernel on CUDA."""
+    if use_triton(t):
+        return _kernels.quantize_rows(t, FP8_DTYPES[fmt], col_scale)
+    return quantize_rows(t.float() * col_scale if col_scale is not None else t, fmt)
+
+
 @sloth_op("linear_fp8")
 def _linear_op(x: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
     """``x [M, K] @ W^T`` for the e4m3 ``W [N, K]`` (its bits, uint8) with scales ``[N, 1]``;
     ``grad_format`` is for the backward."""
     weight = weight_bits.view(_E4M3)
     if scaled_mm_applies(x, weight.shape[0]):
-        qx, sx = quantize_rows(x, "e4m3")
+        qx, sx = _quantize(x, "e4m3")
         return torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
     return fp8_linear_reference(x, weight, weight_scale)
 
@@ -83,7 +104,7 @@ def _grad_op(dy: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format:
     """``dy [M, N] @ W`` for the e4m3 ``W [N, K]`` (its bits, uint8): the input gradient (see the module notes)."""
     weight = weight_bits.view(_E4M3)
     if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
-        qg, sg = quantize_rows(dy.float() * weight_scale.t(), grad_format)
+        qg, sg = _quantize(dy, grad_format, weight_scale.view(-1))
         ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
         # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
         w_col = weight.t().contiguous().t()

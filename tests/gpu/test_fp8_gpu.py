@@ -42,6 +42,22 @@ def test_scaled_mm_path_matches_the_emulation(tokens, k, n, grad_format):
     _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, codes, scale, grad_format))
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("width", [53, 4096, 14336])
+def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
+    from lightning_sloth.kernels import fp8 as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(517, width, device="cuda", generator=gen) * 3).bfloat16()
+    x[7] = 0
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    for col_scale in (None, torch.rand(width, device="cuda", generator=gen) + 0.5):
+        codes, scale = kernels.quantize_rows(x, dtype, col_scale)
+        ref_codes, ref_scale = quantize_rows(x.float() * col_scale if col_scale is not None else x, fmt)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
 def test_odd_shapes_and_float32_run_the_emulation_exactly():
     codes, scale = quantize_rows(torch.randn(40, 53, device="cuda"), "e4m3")
     x = torch.randn(9, 53, device="cuda").bfloat16()
