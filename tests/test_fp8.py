@@ -324,3 +324,17 @@ def test_float8_training_converts_with_torchao_or_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match=r"lightning-sloth\[fp8\]"):
         float8_training(tiny_llama())
+
+
+def test_fp8_bases_dequantise_for_merging():
+    from lightning_sloth.quant import dequantize_model
+
+    model = add_lora(tiny_llama())
+    fp8_base_model(model)
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    dense = layer.base_layer.dequantized(torch.float32)
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+    assert len(dequantize_model(model)) == 14
+    assert type(layer.base_layer) is nn.Linear and torch.equal(layer.base_layer.weight, dense)
+    merged = model.merge_and_unload()
+    torch.testing.assert_close(merged.model.layers[1].mlp.down_proj.weight, dense + delta.detach())

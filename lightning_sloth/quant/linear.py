@@ -340,10 +340,10 @@ def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) 
 
 @torch.no_grad()
 def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Undo the 4-bit storage of ``model`` in place: dense frozen weights for merging and export.
+    """Undo the 4-bit (or FP8) storage of ``model`` in place: dense frozen weights for merging and export.
 
-    Every :class:`Linear4bit` and bitsandbytes ``Linear4bit`` becomes an ``nn.Linear`` and every
-    4-bit MoE expert weight a dense 3-D parameter. Weights are decoded exactly as training decoded
+    Every :class:`Linear4bit`, bitsandbytes ``Linear4bit`` and FP8 ``LinearFP8`` (codes times
+    scales) becomes an ``nn.Linear`` and every 4-bit MoE expert weight a dense 3-D parameter. Weights are decoded exactly as training decoded
     them, ``code[q] * absmax`` in float32 (double-quantised scales first), then rounded once to
     ``dtype``: in float32 that is the exact value whose rounding the 16-bit compute used. PEFT
     wrappers stay around the new layers, so ``merge_and_unload`` then merges LoRA into them.
@@ -356,13 +356,19 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> li
         module = model.get_submodule(name)
         converted += [f"{name}.{w}" for w in dequantize_experts(module, dtype)]
         # A PEFT wrapper shows its base's weight as its own: only the base layer itself is replaced.
-        storage = four_bit_storage(module) if name and not hasattr(module, "base_layer") else None
-        if storage is None:
+        if not name or hasattr(module, "base_layer"):
+            continue
+        storage = four_bit_storage(module)
+        if storage is not None:
+            weight = dequantize_4bit_reference(storage, dtype)
+        elif isinstance(module, nn.Linear) and callable(getattr(module, "dequantized", None)):
+            weight = module.dequantized(dtype)  # an FP8 base layer (quant.fp8.LinearFP8)
+        else:
             continue
         linear = nn.Linear(
             module.in_features, module.out_features, bias=module.bias is not None, device="meta"
         )
-        linear.weight = nn.Parameter(dequantize_4bit_reference(storage, dtype), requires_grad=False)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
         parent, _, child = name.rpartition(".")
