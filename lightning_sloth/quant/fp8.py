@@ -180,10 +180,16 @@ def lora_fp8_forward(
 ) -> Tensor:
     """``base(x) + scale * (x A^T) B^T`` for a :class:`LinearFP8` ``base``: the base product in FP8
     (through the module, so whatever runs its forward runs here), the adapters in the compute dtype
-    (autocast's, else x's; adapters stored otherwise are cast, gradients flow through the cast)."""
+    (autocast's, else x's; adapters stored otherwise are cast, gradients flow through the cast).
+    The B product is added by one ``addmm`` (no separate scale and sum passes)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    return base(x) + F.linear(F.linear(x, lora_a.weight.to(dtype)), lora_b.weight.to(dtype)) * scale
+    y = base(x)
+    xa = F.linear(x, lora_a.weight.to(dtype))
+    out = torch.addmm(
+        y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), lora_b.weight.to(dtype).t(), alpha=scale
+    )
+    return out.view(y.shape)
 
 
 def float8_training(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> list[str]:
