@@ -18,6 +18,7 @@ from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tok
 from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.ops.fp8 import linear_fp8, linear_fp8_grad
 from lightning_sloth.ops.fp8_formats import (
+    check_fp8_device,
     dequantize_rows,
     fp8_linear_grad_reference,
     fp8_linear_reference,
@@ -288,8 +289,12 @@ def test_fp8_is_refused_on_gpus_without_fp8_tensor_cores(monkeypatch, capability
             match=rf"compute capability {capability[0]}\.{capability[1]}.*8\.9|8\.9.*{capability[0]}\.{capability[1]}",
         ):
             SlothPrecision("bf16-true", base_dtype="fp8")
+        with pytest.raises(RuntimeError, match="NVIDIA Test GPU"):
+            check_fp8_device("cuda")
     else:
         assert SlothPrecision("bf16-true", base_dtype="fp8").base_dtype == "fp8"
+        check_fp8_device("cuda")
+    check_fp8_device("cpu")  # the emulation runs anywhere else
 
 
 def test_hydra_preset_builds_the_fp8_precision():

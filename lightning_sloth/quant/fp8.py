@@ -18,7 +18,13 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_sloth.ops.fp8 import linear_fp8
-from lightning_sloth.ops.fp8_formats import FP8_DTYPES, check_grad_format, dequantize_rows, quantize_rows
+from lightning_sloth.ops.fp8_formats import (
+    FP8_DTYPES,
+    check_fp8_device,
+    check_grad_format,
+    dequantize_rows,
+    quantize_rows,
+)
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
 from lightning_sloth.quant.linear import _is_adapter, _skipped, compute_dtype, four_bit_storage
 
@@ -144,8 +150,10 @@ def fp8_base_model(
 
     Raises:
         ValueError: if nothing could be converted (and nothing was in FP8 already).
+        RuntimeError: for a CUDA device without FP8 tensor cores (below sm89).
     """
     check_grad_format(grad_format)
+    check_fp8_device(device if device is not None else next((p.device for p in model.parameters()), None))
     skip = tuple(skip)
     converted: list[str] = []
     already = 0
