@@ -121,8 +121,8 @@ def build_base(cfg: DictConfig):
     skip = tuple(OmegaConf.select(cfg, "precision.quantize_skip", default=["lm_head"]))
     if quantize is not None:
         quantize_model(model, quantize, skip)
-    if OmegaConf.select(cfg, "precision.base_dtype", default=None) == "fp8":
-        fp8_base_model(model, skip)  # an FP8 run's frozen base, as it trained (after the 4 bits)
+    elif OmegaConf.select(cfg, "precision.base_dtype", default=None) == "fp8":
+        fp8_base_model(model, skip)  # an FP8 run's frozen base, as it trained
     return model, tokenizer
 
 

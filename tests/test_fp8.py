@@ -16,7 +16,7 @@ from torch import nn
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.ops.fp8 import linear_fp8, linear_fp8_grad
+from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad
 from lightning_sloth.ops.fp8_formats import (
     check_fp8_device,
     dequantize_rows,
@@ -25,7 +25,7 @@ from lightning_sloth.ops.fp8_formats import (
     quantize_rows,
 )
 from lightning_sloth.quant import Linear4bit, quantize_model
-from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model
+from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
 from lightning_sloth.transform import transform_model
 
 # Half a unit in the last place, relative (normal numbers), and the subnormal half-spacing in units
@@ -264,6 +264,10 @@ def test_trainer_with_fp8_bases_trains():
 def test_precision_validates_fp8_choices():
     precision = SlothPrecision("32-true", base_dtype="fp8", fp8_grad="e5m2")
     assert precision.base_dtype == "fp8" and precision.fp8_grad == "e5m2"
+    qlora = SlothPrecision("32-true", quantize="nf4", base_dtype="fp8", fp8_grad="bf16")
+    model = qlora.convert_module(add_lora(tiny_llama()))
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    assert len(layers) == 14 and all(m.fp8_grad == "bf16" for m in layers)
     with pytest.raises(ValueError, match="base_dtype"):
         SlothPrecision("32-true", base_dtype="fp4")
     with pytest.raises(ValueError, match="fp8_grad|gradient format"):
@@ -343,3 +347,59 @@ def test_fp8_bases_dequantise_for_merging():
     assert type(layer.base_layer) is nn.Linear and torch.equal(layer.base_layer.weight, dense)
     merged = model.merge_and_unload()
     torch.testing.assert_close(merged.model.layers[1].mlp.down_proj.weight, dense + delta.detach())
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2", "bf16"])
+def test_4bit_storage_with_fp8_compute_equals_the_emulation(grad_format):
+    from lightning_sloth.quant import dequantize_4bit_reference, quantize_4bit
+
+    w = _strided(48, 64, seed=8) * 0.1
+    storage = quantize_4bit(w, "nf4")
+    codes, scale = quantize_rows(dequantize_4bit_reference(storage, torch.bfloat16), "e4m3")
+    args = (storage.packed, storage.block_absmax(), storage.code, storage.blocksize)
+    got_codes, got_scale = fp8_from_4bit(*args, (48, 64))
+    assert torch.equal(got_codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(got_scale, scale)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    y = linear_4bit_fp8(x, *args, 48, grad_format)
+    assert torch.equal(
+        y.detach().reshape(-1, 48), fp8_linear_reference(x.detach().reshape(-1, 64), codes, scale)
+    )
+    dy = torch.randn(3, 5, 48)
+    y.backward(dy)
+    expected = fp8_linear_grad_reference(dy.reshape(-1, 48), codes, scale, grad_format)
+    assert torch.equal(x.grad.reshape(-1, 64), expected)
+    bits = storage.packed, storage.block_absmax(), storage.code
+    torch.library.opcheck(
+        torch.ops.sloth.linear_4bit_fp8.default,
+        (x.detach().reshape(-1, 64).requires_grad_(), *bits, 64, 48, grad_format),
+    )
+
+
+def test_qlora_with_fp8_compute_keeps_the_4bit_storage_and_equals_fp8_bases_of_its_weights():
+    from lightning_sloth.quant import dequantize_4bit_reference
+
+    nf4 = add_lora(tiny_llama())
+    quantize_model(nf4, "nf4")
+    fp8 = copy.deepcopy(nf4)
+    assert len(fp8_compute_4bit(fp8, "e4m3")) == 14
+    assert sum(isinstance(m, Linear4bit) for m in fp8.modules()) == 14  # storage unchanged
+    # The reference: FP8 bases made from each 4-bit weight decoded to bf16, as the op decodes it.
+    reference = copy.deepcopy(nf4)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, Linear4bit):
+            dense = dequantize_4bit_reference(module.storage(), torch.bfloat16)
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, LinearFP8.from_weight(dense, module.bias))
+    batch = packed_batch(random_documents([40, 25], seed=5))
+    losses, grads = [], []
+    for m in (nf4, fp8, reference):
+        transform_model(m, kernels=True)
+        loss = m(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad]))
+    assert losses[0] != losses[1] and abs(losses[1] / losses[0] - 1) < 0.01
+    torch.testing.assert_close(losses[1], losses[2], rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads[1], grads[2], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="no 4-bit layer"):
+        fp8_compute_4bit(tiny_llama())

@@ -41,7 +41,8 @@ FP8 systems (``systems=fp8``; FP8 tensor cores, sm89+):
     sloth_fp8              ``sloth_kernels`` with the frozen base linear layers in FP8 e4m3
                            (``SlothPrecision(base_dtype="fp8")``); ``sloth_fp8_e5m2`` and
                            ``sloth_fp8_bf16grad`` with the other input-gradient formats.
-    sloth_nf4_fp8          ``sloth_nf4``'s NF4 weights requantised to FP8 (QLoRA, FP8 compute).
+    sloth_nf4_fp8          ``sloth_nf4``'s NF4 storage, its products in FP8 (QLoRA with FP8 compute,
+                           ``SlothPrecision(quantize="nf4", base_dtype="fp8")``).
 
 The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
 
@@ -70,7 +71,7 @@ from lightning_sloth.bench.workload import (
 )
 from lightning_sloth.ops import lora_groups
 from lightning_sloth.patching import OPS
-from lightning_sloth.quant.fp8 import fp8_base_model
+from lightning_sloth.quant.fp8 import fp8_base_model, fp8_compute_4bit
 from lightning_sloth.transform import transform_model
 
 
@@ -221,13 +222,17 @@ def _sloth_4bit(**settings) -> Callable:
 
 
 def _sloth_fp8(grad_format: str = "e4m3", from_4bit: bool = False, **settings) -> Callable:
-    """lightning_sloth on FP8 base weights: the bf16 (or NF4) model with PEFT LoRA, its base linear
-    layers requantised to FP8 e4m3 (``lm_head`` kept), then ``transform_model(kernels=True)``."""
+    """lightning_sloth on FP8 base weights: the bf16 model with PEFT LoRA, its base linear layers
+    requantised to FP8 e4m3 (``lm_head`` kept); ``from_4bit``: the NF4 model, its storage kept and
+    its products in FP8 (QLoRA with FP8 compute). Then ``transform_model(kernels=True)``."""
 
     def setup(workload: Workload):
         base = quantized_base_model(workload) if from_4bit else None
         model = build_model(workload, "sdpa", checkpointing=False, base=base)
-        fp8_base_model(model, grad_format=grad_format)
+        if from_4bit:
+            fp8_compute_4bit(model, grad_format)
+        else:
+            fp8_base_model(model, grad_format=grad_format)
         model._sloth_report = transform_model(model, kernels=True, **settings)
         return model
 
@@ -397,7 +402,7 @@ SUITE_SYSTEMS.update(
             'lightning_sloth, base_dtype="fp8" + offload="on"', _sloth_fp8(offload="on"), packed_batches
         ),
         "sloth_nf4_fp8": SuiteSystem(
-            'lightning_sloth, quantize="nf4" + base_dtype="fp8" (QLoRA, FP8 compute)',
+            'lightning_sloth, quantize="nf4" + base_dtype="fp8" (NF4 storage, FP8 compute)',
             _sloth_fp8(from_4bit=True),
             packed_batches,
         ),

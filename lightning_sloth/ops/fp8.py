@@ -12,6 +12,10 @@
 The ops take W's codes as ``uint8`` (the e4m3 bits; viewed back inside): the op checks of
 ``torch.library`` compare their arguments with arithmetic CPU float8 tensors do not have.
 
+``sloth::linear_4bit_fp8`` (and its ``_grad``) computes the same products for a weight stored in
+4 bits (QLoRA): each call decodes it to bfloat16 in the 4-bit ops' reused buffer and quantises it per
+row to e4m3 first, so the memory stays that of the 4-bit weights.
+
 Only the input gradient exists: the weight is frozen (LoRA trains beside it, in the compute dtype).
 Saved for the backward: the FP8 weight and its scales (module state, nothing new per call).
 
@@ -42,6 +46,7 @@ from lightning_sloth.ops.fp8_formats import (
     fp8_supported,
     quantize_rows,
 )
+from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
 from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
@@ -54,7 +59,7 @@ from lightning_sloth.ops.registry import (
 if TRITON_OPS:
     from lightning_sloth.kernels import fp8 as _kernels
 
-__all__ = ["linear_fp8", "linear_fp8_grad", "scaled_mm_applies"]
+__all__ = ["fp8_from_4bit", "linear_4bit_fp8", "linear_fp8", "linear_fp8_grad", "scaled_mm_applies"]
 
 _E4M3 = FP8_DTYPES["e4m3"]
 
@@ -83,15 +88,32 @@ def _quantize(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Ten
     return quantize_rows(t.float() * col_scale if col_scale is not None else t, fmt)
 
 
-@sloth_op("linear_fp8")
-def _linear_op(x: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
-    """``x [M, K] @ W^T`` for the e4m3 ``W [N, K]`` (its bits, uint8) with scales ``[N, 1]``;
-    ``grad_format`` is for the backward."""
-    weight = weight_bits.view(_E4M3)
+def _product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+    """``x W^T`` for e4m3 ``W`` and its ``[N, 1]`` scales: ``_scaled_mm`` where it applies, else the emulation."""
     if scaled_mm_applies(x, weight.shape[0]):
         qx, sx = _quantize(x, "e4m3")
         return torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
     return fp8_linear_reference(x, weight, weight_scale)
+
+
+def _grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``dy W`` for e4m3 ``W`` (see the module notes)."""
+    if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
+        qg, sg = _quantize(dy, grad_format, weight_scale.view(-1))
+        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
+        # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
+        w_col = weight.t().contiguous().t()
+        return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+    if grad_format == "bf16" and dy.device.type == "cuda":
+        return dy @ dequantize_rows(weight, weight_scale, dy.dtype)
+    return fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
+
+
+@sloth_op("linear_fp8")
+def _linear_op(x: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``x [M, K] @ W^T`` for the e4m3 ``W [N, K]`` (its bits, uint8) with scales ``[N, 1]``;
+    ``grad_format`` is for the backward."""
+    return _product(x, weight_bits.view(_E4M3), weight_scale)
 
 
 @_linear_op.register_fake
@@ -102,16 +124,7 @@ def _linear_fake(x, weight, weight_scale, grad_format):
 @sloth_op("linear_fp8_grad")
 def _grad_op(dy: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
     """``dy [M, N] @ W`` for the e4m3 ``W [N, K]`` (its bits, uint8): the input gradient (see the module notes)."""
-    weight = weight_bits.view(_E4M3)
-    if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
-        qg, sg = _quantize(dy, grad_format, weight_scale.view(-1))
-        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
-        # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
-        w_col = weight.t().contiguous().t()
-        return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
-    if grad_format == "bf16" and dy.device.type == "cuda":
-        return dy @ dequantize_rows(weight, weight_scale, dy.dtype)
-    return fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
+    return _grad_product(dy, weight_bits.view(_E4M3), weight_scale, grad_format)
 
 
 @_grad_op.register_fake
@@ -189,3 +202,107 @@ def linear_fp8_grad(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_forma
         _grad_op, rows.contiguous(), weight.view(torch.uint8), weight_scale, check_grad_format(grad_format)
     )
     return dx.view(*dy.shape[:-1], weight.shape[1])
+
+
+# ------------------------------------------------------------------ 4-bit storage, FP8 compute
+def fp8_from_4bit(
+    packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, shape: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """The e4m3 codes ``[N, K]`` and ``[N, 1]`` scales of a 4-bit weight: decoded to bfloat16 (into the
+    4-bit ops' reused buffer, exactly as ``sloth::lora_linear_4bit`` decodes it), then quantised per row.
+    Plain torch off CUDA with the same arithmetic, so both give the same codes."""
+    n, k = shape
+    dense = dequantize_4bit_into(
+        packed, absmax, code, blocksize, _scratch(n, k, torch.bfloat16, packed.device)
+    )
+    return _quantize(dense, "e4m3")
+
+
+@sloth_op("linear_4bit_fp8")
+def _linear_4bit_op(
+    x: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, n: int, grad_format: str
+) -> Tensor:
+    """``x [M, K] @ W^T`` for the 4-bit ``W [n, K]``, computed in FP8 (see :func:`linear_4bit_fp8`)."""
+    return _product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
+
+
+@_linear_4bit_op.register_fake
+def _linear_4bit_fake(x, packed, absmax, code, blocksize, n, grad_format):
+    return x.new_empty((x.shape[0], n))
+
+
+@sloth_op("linear_4bit_fp8_grad")
+def _grad_4bit_op(
+    dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, k: int, grad_format: str
+) -> Tensor:
+    """``dy [M, N] @ W`` for the 4-bit ``W [N, k]``, computed in FP8 (``grad_format`` for dy)."""
+    return _grad_product(dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format)
+
+
+@_grad_4bit_op.register_fake
+def _grad_4bit_fake(dy, packed, absmax, code, blocksize, k, grad_format):
+    return dy.new_empty((dy.shape[0], k))
+
+
+def _setup_4bit(ctx, inputs, output):
+    x, packed, absmax, code, blocksize, n, grad_format = inputs
+    ctx.save_for_backward(packed, absmax, code)
+    ctx.blocksize, ctx.k, ctx.grad_format = blocksize, x.shape[1], grad_format
+
+
+def _backward_4bit(ctx, grad_y):
+    packed, absmax, code = ctx.saved_tensors
+    if any(ctx.needs_input_grad[1:4]):
+        raise RuntimeError("sloth::linear_4bit_fp8: the 4-bit base weight is frozen; it has no gradient")
+    dx = call(_grad_4bit_op, grad_y.contiguous(), packed, absmax, code, ctx.blocksize, ctx.k, ctx.grad_format)
+    return dx, None, None, None, None, None, None
+
+
+register_autograd(_linear_4bit_op, _backward_4bit, _setup_4bit)
+register_flops(_linear_4bit_op, lambda x, p, a, c, b, n, fmt, out_shape=None: 2 * x[0] * x[1] * n + x[1] * n)
+register_flops(
+    _grad_4bit_op, lambda dy, p, a, c, b, k, fmt, out_shape=None: 2 * dy[0] * dy[1] * k + dy[1] * k
+)
+
+
+def linear_4bit_fp8(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    out_features: int,
+    grad_format: str = "e4m3",
+) -> Tensor:
+    """``x @ W.T`` for a frozen 4-bit ``W [out, in]`` (QLoRA storage) computed on FP8 tensor cores.
+
+    Each call decodes W to bfloat16 in a reused buffer and quantises it per output channel to e4m3
+    (:func:`fp8_from_4bit`); x is quantised per row, and the product is :func:`linear_fp8`'s. The
+    backward decodes again (nothing dense is kept) and computes ``dy W`` in ``grad_format``. The
+    weight stays in 4 bits: memory as with ``sloth::lora_linear_4bit``.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32.
+        packed, absmax, code, blocksize: W's 4-bit storage (float32 block scales, see
+            ``lightning_sloth.ops.nf4.dequantize_4bit``).
+        out_features: rows of W.
+        grad_format: ``"e4m3"``, ``"e5m2"`` or ``"bf16"``.
+
+    Returns:
+        ``[..., out_features]`` in x's dtype; the gradient flows to x only.
+    """
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"linear_4bit_fp8 computes in float16/bfloat16/float32, got {x.dtype}")
+    _check_storage(packed, absmax, code, blocksize, out_features * x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    y = call(
+        _linear_4bit_op,
+        rows,
+        packed,
+        absmax,
+        code,
+        int(blocksize),
+        int(out_features),
+        check_grad_format(grad_format),
+    )
+    return y.view(*x.shape[:-1], out_features)

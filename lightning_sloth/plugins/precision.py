@@ -16,8 +16,8 @@ With ``quantize="nf4" | "nf4-dq" | "fp4"`` the frozen base linear layers are sto
 the 4-bit layer and its ops); they compute in the mode's dtype, float32 included.
 
 With ``base_dtype="fp8"`` the frozen base linear layers are stored in FP8 e4m3 with one scale per
-output channel (from bf16, or from NF4 when ``quantize`` is given too: QLoRA with FP8 compute) and
-their products run ``torch._scaled_mm`` with activations quantised per row; LoRA, norms, attention
+output channel (with ``quantize`` too they stay in 4 bits and each product decodes them to FP8:
+QLoRA with FP8 compute, memory unchanged) and their products run ``torch._scaled_mm`` with activations quantised per row; LoRA, norms, attention
 and the loss stay in the compute dtype. ``fp8_training=True`` is full fine-tuning in FP8 through
 torchao's float8 training (row-wise recipe). Both need FP8 tensor cores on CUDA (sm89+); on CPU they
 run the plain-torch emulation (tests).
@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_sloth.ops.fp8_formats import check_fp8_device, check_grad_format
-from lightning_sloth.quant.fp8 import float8_training, fp8_base_model
+from lightning_sloth.quant.fp8 import float8_training, fp8_base_model, fp8_compute_4bit
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
 
@@ -72,7 +72,8 @@ class SlothPrecision(Precision):
             a mismatch with ``precision`` raises.
         base_dtype: ``None`` (base weights in the compute dtype, or ``quantize``'s 4 bits) or
             ``"fp8"``: frozen base linear layers in FP8 e4m3 with per-output-channel scales, their
-            products in FP8 (LoRA and QLoRA; with ``quantize`` the 4-bit weights are requantised).
+            products in FP8 (LoRA; with ``quantize`` the weights stay in 4 bits and each product
+            decodes them to FP8: QLoRA with FP8 compute).
         fp8_grad: with ``base_dtype="fp8"``, the incoming gradient's format in the input-gradient
             product: ``"e4m3"`` (default), ``"e5m2"`` or ``"bf16"``.
         fp8_training: full fine-tuning with torchao's float8 training (row-wise recipe) on every
@@ -160,7 +161,9 @@ class SlothPrecision(Precision):
             from lightning_sloth.quant import quantize_model
 
             quantize_model(module, self.quantize, self.quantize_skip)
-        if self.base_dtype == "fp8":
+        if self.base_dtype == "fp8" and self.quantize is not None:
+            fp8_compute_4bit(module, self.fp8_grad)  # 4-bit storage, FP8 products
+        elif self.base_dtype == "fp8":
             fp8_base_model(module, self.quantize_skip, self.fp8_grad)
         if self.fp8_training:
             float8_training(module, self.quantize_skip)

@@ -7,7 +7,7 @@ room holds what sits behind it:
   :func:`dequantize_model` (in place; merging and export);
 - :mod:`~lightning_sloth.quant.lora`: the PEFT LoRA forward over a 4-bit base (``sloth::lora_linear_4bit``);
 - :mod:`~lightning_sloth.quant.fp8`: FP8 base weights: :class:`LinearFP8`, :func:`fp8_base_model`
-  (from bf16 or 4 bits, in place), and full fine-tuning in FP8 through torchao
+  (from bf16 or 4 bits, in place), FP8 compute over 4-bit storage (:func:`fp8_compute_4bit`), and full fine-tuning in FP8 through torchao
   (:func:`float8_training`);
 - :mod:`~lightning_sloth.quant.loading`: build a model on the meta device and fill it shard by
   shard, quantising each weight as it arrives.
@@ -26,7 +26,7 @@ from lightning_sloth.ops.nf4_formats import (
     quantize_4bit,
     to_bnb,
 )
-from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model
+from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
 from lightning_sloth.quant.linear import (
     Linear4bit,
     check_checkpoint_quantization,
@@ -48,6 +48,7 @@ __all__ = [
     "float8_training",
     "four_bit_storage",
     "fp8_base_model",
+    "fp8_compute_4bit",
     "from_bnb",
     "load_quantized",
     "lora_4bit_forward",

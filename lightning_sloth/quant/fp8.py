@@ -26,7 +26,7 @@ from lightning_sloth.ops.fp8_formats import (
     quantize_rows,
 )
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
-from lightning_sloth.quant.linear import _is_adapter, _skipped, compute_dtype, four_bit_storage
+from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped, compute_dtype, four_bit_storage
 
 _E4M3 = FP8_DTYPES["e4m3"]
 
@@ -183,21 +183,48 @@ def fp8_base_model(
     return converted
 
 
+def add_lora(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+    """``y + scale * (x A^T) B^T``, the B product added by one ``addmm`` (no separate scale and sum
+    passes); ``y [..., out]``, ``x [..., in]``, ``A [r, in]``, ``B [out, r]``, one dtype."""
+    xa = F.linear(x, lora_a)
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), lora_b.t(), alpha=scale)
+    return out.view(y.shape)
+
+
 def lora_fp8_forward(
     base: LinearFP8, x: Tensor, lora_a: nn.Linear, lora_b: nn.Linear, scale: float
 ) -> Tensor:
     """``base(x) + scale * (x A^T) B^T`` for a :class:`LinearFP8` ``base``: the base product in FP8
     (through the module, so whatever runs its forward runs here), the adapters in the compute dtype
-    (autocast's, else x's; adapters stored otherwise are cast, gradients flow through the cast).
-    The B product is added by one ``addmm`` (no separate scale and sum passes)."""
+    (autocast's, else x's; adapters stored otherwise are cast, gradients flow through the cast)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    y = base(x)
-    xa = F.linear(x, lora_a.weight.to(dtype))
-    out = torch.addmm(
-        y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), lora_b.weight.to(dtype).t(), alpha=scale
-    )
-    return out.view(y.shape)
+    return add_lora(base(x), x, lora_a.weight.to(dtype), lora_b.weight.to(dtype), scale)
+
+
+def fp8_compute_4bit(model: nn.Module, grad_format: str = "e4m3") -> list[str]:
+    """QLoRA with FP8 compute: every :class:`~lightning_sloth.quant.Linear4bit` of ``model`` keeps its
+    4-bit storage and runs its products on FP8 tensor cores (``sloth::linear_4bit_fp8``), in place.
+
+    Returns:
+        The qualified names of the layers switched.
+
+    Raises:
+        ValueError: if ``model`` has no 4-bit layer of ours (bitsandbytes' layers: convert them with
+            :func:`fp8_base_model`).
+        RuntimeError: for a CUDA device without FP8 tensor cores.
+    """
+    check_grad_format(grad_format)
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear4bit)]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no 4-bit layer (lightning_sloth.quant.Linear4bit) to compute in FP8; "
+            "quantise it first (quantize_model), or convert its linear layers with fp8_base_model"
+        )
+    check_fp8_device(layers[0][1].weight.device)
+    for _, module in layers:
+        module.fp8_grad = grad_format
+    return [name for name, _ in layers]
 
 
 def float8_training(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> list[str]:

@@ -7,7 +7,9 @@ buffers holding the same bits, so ``model.to(torch.bfloat16)`` (which Lightning'
 applies to every floating-point tensor) moves them but can never round them.
 
 Its own forward (used where no LoRA adapter sits on it) runs ``sloth::lora_linear_4bit`` with a
-rank-0 adapter: the weight is dequantised into a reusable buffer, never kept for the backward.
+rank-0 adapter: the weight is dequantised into a reusable buffer, never kept for the backward. With
+``fp8_grad`` set (``SlothPrecision(quantize=..., base_dtype="fp8")``) its products run on FP8
+tensor cores instead (``sloth::linear_4bit_fp8``), the storage unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lightning_sloth.moe.quant import (
     model_expert_formats,
     quantize_experts,
 )
+from lightning_sloth.ops.fp8 import linear_4bit_fp8
 from lightning_sloth.ops.nf4 import lora_linear_4bit
 from lightning_sloth.ops.nf4_formats import (
     Packed4bit,
@@ -55,7 +58,11 @@ class Linear4bit(nn.Linear):
         quant_type: ``"nf4"``, ``"nf4-dq"`` or ``"fp4"``.
         blocksize: elements per block scale.
         weight_dtype: the dtype the weight had before quantisation.
+        fp8_grad: None (products in the compute dtype), or the input-gradient format of FP8
+            compute over the 4-bit storage (``"e4m3"``, ``"e5m2"``, ``"bf16"``).
     """
+
+    fp8_grad: str | None = None
 
     def __init__(self, storage: Packed4bit, bias: Tensor | None = None) -> None:
         nn.Module.__init__(self)
@@ -117,6 +124,9 @@ class Linear4bit(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         dtype = compute_dtype(x)
         x = x.to(dtype)
+        if self.fp8_grad is not None:
+            y = linear_4bit_fp8_storage(x, self.storage(), self.fp8_grad)
+            return y + self.bias.to(dtype) if self.bias is not None else y
         empty = x.new_empty(0, self.in_features)
         y = linear_4bit(x, self.storage(), empty, x.new_empty(self.out_features, 0), 0.0)
         return y + self.bias.to(dtype) if self.bias is not None else y
@@ -199,6 +209,19 @@ def linear_4bit(x: Tensor, storage: Packed4bit, lora_a: Tensor, lora_b: Tensor, 
     """``sloth::lora_linear_4bit`` on a :class:`Packed4bit` (double-quantised scales decoded first)."""
     return lora_linear_4bit(
         x, storage.packed, storage.block_absmax(), storage.code, storage.blocksize, lora_a, lora_b, scale
+    )
+
+
+def linear_4bit_fp8_storage(x: Tensor, storage: Packed4bit, grad_format: str) -> Tensor:
+    """``sloth::linear_4bit_fp8`` on a :class:`Packed4bit`: the 4-bit weight's product in FP8."""
+    return linear_4bit_fp8(
+        x,
+        storage.packed,
+        storage.block_absmax(),
+        storage.code,
+        storage.blocksize,
+        storage.shape[0],
+        grad_format,
     )
 
 

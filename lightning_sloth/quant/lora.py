@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.quant.fp8 import LinearFP8, lora_fp8_forward
-from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit
+from lightning_sloth.quant.fp8 import LinearFP8, add_lora, lora_fp8_forward
+from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit, linear_4bit_fp8_storage
 
 
 def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
@@ -63,8 +63,13 @@ def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
     dtype = compute_dtype(x)
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    y = linear_4bit(
-        x.to(dtype), storage, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter]
-    )
+    if getattr(base, "fp8_grad", None) is not None:  # 4-bit storage, FP8 compute
+        x = x.to(dtype)
+        y = linear_4bit_fp8_storage(x, storage, base.fp8_grad)
+        y = add_lora(y, x, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter])
+    else:
+        y = linear_4bit(
+            x.to(dtype), storage, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter]
+        )
     bias = getattr(base, "bias", None)
     return y + bias.to(dtype) if bias is not None else y

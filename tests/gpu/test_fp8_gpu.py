@@ -58,6 +58,25 @@ def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
         assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_4bit_storage_with_fp8_compute_matches_the_emulation(grad_format):
+    from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8
+    from lightning_sloth.quant import dequantize_4bit_reference, quantize_4bit
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    storage = quantize_4bit(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02, "nf4")
+    args = (storage.packed, storage.block_absmax(), storage.code, storage.blocksize)
+    codes, scale = fp8_from_4bit(*args, (1024, 4096))
+    ref_codes, ref_scale = quantize_rows(dequantize_4bit_reference(storage, torch.bfloat16), "e4m3")
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    x = torch.randn(700, 4096, device="cuda", generator=gen).bfloat16().requires_grad_()
+    y = linear_4bit_fp8(x, *args, 1024, grad_format)
+    _close_to_emulation(y, fp8_linear_reference(x.detach(), ref_codes, ref_scale))
+    dy = torch.randn(700, 1024, device="cuda", generator=gen).bfloat16()
+    y.backward(dy)
+    _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, ref_codes, ref_scale, grad_format))
+
+
 def test_odd_shapes_and_float32_run_the_emulation_exactly():
     codes, scale = quantize_rows(torch.randn(40, 53, device="cuda"), "e4m3")
     x = torch.randn(9, 53, device="cuda").bfloat16()
