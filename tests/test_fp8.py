@@ -330,6 +330,8 @@ def test_float8_training_converts_with_torchao_or_names_the_extra(monkeypatch):
     assert len(converted) == 14 and "lm_head" not in converted
     assert isinstance(model.model.layers[0].mlp.down_proj, Float8Linear)
     assert type(model.lm_head) is nn.Linear
+    with pytest.raises(ValueError, match="base_dtype='fp8'"):
+        float8_training(add_lora(tiny_llama()))
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match=r"lightning-sloth\[fp8\]"):
         float8_training(tiny_llama())

@@ -239,6 +239,7 @@ def float8_training(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> lis
 
     Raises:
         ImportError: naming the ``fp8`` extra, where torchao is not installed.
+        ValueError: for a model with PEFT adapters (float8 training is full fine-tuning).
     """
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -247,6 +248,13 @@ def float8_training(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> lis
             "FP8 full fine-tuning runs torchao's float8 training, and torchao is not installed: "
             "pip install 'lightning-sloth[fp8]' (or pip install torchao)"
         ) from error
+    adapters = [name for name, _ in model.named_modules() if _is_adapter(name)]
+    if adapters:
+        raise ValueError(
+            f"float8 training is full fine-tuning, but {type(model).__name__} has LoRA adapters (e.g. "
+            f"{adapters[0]}); for LoRA over FP8 base weights use SlothPrecision(base_dtype='fp8') "
+            "(precision=fp8_lora), or disable LoRA (lora.enabled=false)"
+        )
     skip = tuple(skip)
     converted: list[str] = []
 
