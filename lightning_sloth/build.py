@@ -226,11 +226,16 @@ def build_module(cfg: DictConfig, model: PreTrainedModel) -> CausalLMModule:
 
 def build_precision(precision: DictConfig) -> SlothPrecision:
     """``SlothPrecision`` of the ``precision`` node (``auto`` resolves on this machine)."""
+    fp8 = {
+        key: precision[key]
+        for key, default in (("base_dtype", None), ("fp8_grad", "e4m3"), ("fp8_training", False))
+        if precision.get(key, default) != default
+    }
     quantize = precision.get("quantize")
-    if quantize is None:
+    if quantize is None and not fp8:
         return SlothPrecision(precision.precision.value)
     return SlothPrecision(
-        precision.precision.value, quantize=quantize, quantize_skip=list(precision.quantize_skip)
+        precision.precision.value, quantize=quantize, quantize_skip=list(precision.quantize_skip), **fp8
     )
 
 

@@ -232,11 +232,18 @@ class PrecisionConfig:
 
     ``quantize``: ``nf4``, ``nf4-dq`` or ``fp4`` stores the frozen base linear layers in 4 bits
     (QLoRA); ``quantize_skip`` names the modules kept in the compute dtype.
+
+    ``base_dtype: fp8`` stores the frozen base linear layers in FP8 e4m3 (LoRA, or QLoRA with
+    ``quantize``), ``fp8_grad`` the input gradient's format (``e4m3``, ``e5m2``, ``bf16``);
+    ``fp8_training: true`` is full fine-tuning in FP8 through torchao.
     """
 
     precision: PrecisionMode = PrecisionMode.auto
     quantize: str | None = None
     quantize_skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    base_dtype: str | None = None
+    fp8_grad: str = "e4m3"
+    fp8_training: bool = False
 
 
 @dataclass
@@ -613,6 +620,10 @@ def validate(cfg: DictConfig) -> None:
         errors.append(
             f"precision.quantize: must be null, 'nf4', 'nf4-dq' or 'fp4', got {cfg.precision.quantize!r}"
         )
+    if cfg.precision.get("base_dtype") not in (None, "fp8"):
+        errors.append(f"precision.base_dtype: must be null or 'fp8', got {cfg.precision.base_dtype!r}")
+    if cfg.precision.get("fp8_grad", "e4m3") not in ("e4m3", "e5m2", "bf16"):
+        errors.append(f"precision.fp8_grad: must be 'e4m3', 'e5m2' or 'bf16', got {cfg.precision.fp8_grad!r}")
     if cfg.resume is not None and not cfg.resume:
         errors.append("resume: must be 'auto', a checkpoint path or null, got ''")
     if errors:

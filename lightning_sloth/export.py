@@ -46,7 +46,12 @@ from lightning_sloth.build import ADAPTER_DIR, CHECKPOINT_DIR, LAST_CHECKPOINT
 from lightning_sloth.config import _SCHEMAS, TrainConfig, register_configs
 from lightning_sloth.ops.nf4_formats import check_quant_type
 from lightning_sloth.plugins.checkpoint import load_checkpoint_file
-from lightning_sloth.quant import check_checkpoint_quantization, dequantize_model, quantize_model
+from lightning_sloth.quant import (
+    check_checkpoint_quantization,
+    dequantize_model,
+    fp8_base_model,
+    quantize_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +107,8 @@ def build_base(cfg: DictConfig):
     """``(model, tokenizer)``: the run's unpatched base model, wrapped by PEFT when it trained LoRA.
 
     A 4-bit run's base is quantised as the run quantised it (``precision.quantize`` and
-    ``quantize_skip``, after the adapters are made), so its checkpoint loads.
+    ``quantize_skip``, after the adapters are made), an FP8 run's (``precision.base_dtype=fp8``)
+    converted to FP8 the same way, so its checkpoint loads.
     """
     tokenizer = build.build_tokenizer(cfg.model)
     model = build.build_model(cfg.model, tokenizer)
@@ -112,9 +118,11 @@ def build_base(cfg: DictConfig):
 
         model = get_peft_model(model, lora.to_peft())
     quantize = run_quantization(cfg)
+    skip = tuple(OmegaConf.select(cfg, "precision.quantize_skip", default=["lm_head"]))
     if quantize is not None:
-        skip = OmegaConf.select(cfg, "precision.quantize_skip", default=["lm_head"])
-        quantize_model(model, quantize, tuple(skip))
+        quantize_model(model, quantize, skip)
+    elif OmegaConf.select(cfg, "precision.base_dtype", default=None) == "fp8":
+        fp8_base_model(model, skip)  # an FP8 run's frozen base, as it trained
     return model, tokenizer
 
 

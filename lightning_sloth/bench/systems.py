@@ -37,6 +37,13 @@ set next to the ``transform_model`` rows):
     sloth_trainer_nf4      + ``SlothPrecision(quantize="nf4")`` (QLoRA scenarios);
                            ``sloth_trainer_nf4_offload`` with offload.
 
+FP8 systems (``systems=fp8``; FP8 tensor cores, sm89+):
+    sloth_fp8              ``sloth_kernels`` with the frozen base linear layers in FP8 e4m3
+                           (``SlothPrecision(base_dtype="fp8")``); ``sloth_fp8_e5m2`` and
+                           ``sloth_fp8_bf16grad`` with the other input-gradient formats.
+    sloth_nf4_fp8          ``sloth_nf4``'s NF4 storage, its products in FP8 (QLoRA with FP8 compute,
+                           ``SlothPrecision(quantize="nf4", base_dtype="fp8")``).
+
 The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
 
 The peers (transformers + PEFT, Liger-Kernel, Unsloth, bitsandbytes) are in
@@ -64,6 +71,7 @@ from lightning_sloth.bench.workload import (
 )
 from lightning_sloth.ops import lora_groups
 from lightning_sloth.patching import OPS
+from lightning_sloth.quant.fp8 import fp8_base_model, fp8_compute_4bit
 from lightning_sloth.transform import transform_model
 
 
@@ -213,6 +221,24 @@ def _sloth_4bit(**settings) -> Callable:
     return setup
 
 
+def _sloth_fp8(grad_format: str = "e4m3", from_4bit: bool = False, **settings) -> Callable:
+    """lightning_sloth on FP8 base weights: the bf16 model with PEFT LoRA, its base linear layers
+    requantised to FP8 e4m3 (``lm_head`` kept); ``from_4bit``: the NF4 model, its storage kept and
+    its products in FP8 (QLoRA with FP8 compute). Then ``transform_model(kernels=True)``."""
+
+    def setup(workload: Workload):
+        base = quantized_base_model(workload) if from_4bit else None
+        model = build_model(workload, "sdpa", checkpointing=False, base=base)
+        if from_4bit:
+            fp8_compute_4bit(model, grad_format)
+        else:
+            fp8_base_model(model, grad_format=grad_format)
+        model._sloth_report = transform_model(model, kernels=True, **settings)
+        return model
+
+    return setup
+
+
 SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "hf_padded": SuiteSystem("transformers + PEFT, SDPA, padded micro-batches of 8 (baseline)"),
     "hf_packed_sdpa": SuiteSystem("transformers + PEFT, packed rows, its own SDPA"),
@@ -355,6 +381,30 @@ SUITE_SYSTEMS.update(
         "sloth_trainer_nf4_offload": SuiteSystem(
             'lightning_sloth: Trainer, quantize="nf4" + offload="on" (user path)',
             trainer=partial(run_trainer_system, quantize="nf4", offload="on"),
+        ),
+    }
+)
+
+
+# FP8 base weights (systems=fp8): beside sloth_kernels (bf16 bases) and sloth_nf4 (NF4 bases).
+SUITE_SYSTEMS.update(
+    {
+        "sloth_fp8": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8" (kernels=True)', _sloth_fp8(), packed_batches
+        ),
+        "sloth_fp8_e5m2": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", fp8_grad="e5m2"', _sloth_fp8("e5m2"), packed_batches
+        ),
+        "sloth_fp8_bf16grad": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", fp8_grad="bf16"', _sloth_fp8("bf16"), packed_batches
+        ),
+        "sloth_fp8_offload": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8" + offload="on"', _sloth_fp8(offload="on"), packed_batches
+        ),
+        "sloth_nf4_fp8": SuiteSystem(
+            'lightning_sloth, quantize="nf4" + base_dtype="fp8" (NF4 storage, FP8 compute)',
+            _sloth_fp8(from_4bit=True),
+            packed_batches,
         ),
     }
 )

@@ -14,6 +14,13 @@ touches floating-point tensors, and ``PackedBatch`` keeps its int32/int64 dtypes
 With ``quantize="nf4" | "nf4-dq" | "fp4"`` the frozen base linear layers are stored in 4 bits
 (QLoRA), converted in place by ``convert_module`` (``lightning_sloth.quant`` holds the formats,
 the 4-bit layer and its ops); they compute in the mode's dtype, float32 included.
+
+With ``base_dtype="fp8"`` the frozen base linear layers are stored in FP8 e4m3 with one scale per
+output channel (with ``quantize`` too they stay in 4 bits and each product decodes them to FP8:
+QLoRA with FP8 compute, memory unchanged) and their products run ``torch._scaled_mm`` with activations quantised per row; LoRA, norms, attention
+and the loss stay in the compute dtype. ``fp8_training=True`` is full fine-tuning in FP8 through
+torchao's float8 training (row-wise recipe). Both need FP8 tensor cores on CUDA (sm89+); on CPU they
+run the plain-torch emulation (tests).
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+
+from lightning_sloth.ops.fp8_formats import check_fp8_device, check_grad_format
+from lightning_sloth.quant.fp8 import float8_training, fp8_base_model, fp8_compute_4bit
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
 
@@ -60,6 +70,14 @@ class SlothPrecision(Precision):
         quantize_skip: module names (or name parts) kept in the compute dtype (``lm_head``).
         compute_dtype: optional check: the dtype the mode computes in (e.g. ``torch.bfloat16``);
             a mismatch with ``precision`` raises.
+        base_dtype: ``None`` (base weights in the compute dtype, or ``quantize``'s 4 bits) or
+            ``"fp8"``: frozen base linear layers in FP8 e4m3 with per-output-channel scales, their
+            products in FP8 (LoRA; with ``quantize`` the weights stay in 4 bits and each product
+            decodes them to FP8: QLoRA with FP8 compute).
+        fp8_grad: with ``base_dtype="fp8"``, the incoming gradient's format in the input-gradient
+            product: ``"e4m3"`` (default), ``"e5m2"`` or ``"bf16"``.
+        fp8_training: full fine-tuning with torchao's float8 training (row-wise recipe) on every
+            linear layer but ``quantize_skip``; needs the ``fp8`` extra (torchao).
 
     ``SlothPrecision(...)`` returns an instance of the matching subclass; ``isinstance(p,
     SlothPrecision)`` holds for all of them, and ``p.precision`` is the resolved mode.
@@ -88,8 +106,12 @@ class SlothPrecision(Precision):
         quantize: str | None = None,
         quantize_skip: Sequence[str] = ("lm_head",),
         compute_dtype: torch.dtype | str | None = None,
+        base_dtype: str | None = None,
+        fp8_grad: str = "e4m3",
+        fp8_training: bool = False,
     ) -> None:
         self.quantize = quantize
+        self._set_fp8(base_dtype, fp8_grad, fp8_training)
         if quantize is not None:
             from lightning_sloth.ops.nf4_formats import check_quant_type
 
@@ -105,12 +127,46 @@ class SlothPrecision(Precision):
                     f"which computes in {self.compute_dtype}"
                 )
 
+    def _set_fp8(self, base_dtype: str | None, fp8_grad: str, fp8_training: bool) -> None:
+        if base_dtype not in (None, "fp8"):
+            raise ValueError(f"SlothPrecision: base_dtype must be None or 'fp8', got {base_dtype!r}")
+        self.base_dtype, self.fp8_grad, self.fp8_training = (
+            base_dtype,
+            check_grad_format(fp8_grad),
+            fp8_training,
+        )
+        if base_dtype is None and not fp8_training:
+            return
+        if base_dtype is not None and fp8_training:
+            raise ValueError(
+                "SlothPrecision: base_dtype='fp8' (frozen FP8 bases for LoRA/QLoRA) and fp8_training=True "
+                "(full fine-tuning in FP8) exclude each other; choose one"
+            )
+        if fp8_training and self.quantize is not None:
+            raise ValueError(
+                f"SlothPrecision: fp8_training=True trains every weight; it cannot train 4-bit weights "
+                f"(quantize={self.quantize!r}); use base_dtype='fp8' with LoRA for FP8 compute over NF4"
+            )
+        if self.compute_dtype == torch.float16:
+            raise ValueError(
+                f"SlothPrecision: FP8 products write bfloat16 (or float32 on CPU), not float16 "
+                f"(precision={self.precision!r}); use bf16-mixed or bf16-true"
+            )
+        check_fp8_device()
+
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Quantise the frozen base layers in place (with ``quantize``), then the mode's conversion."""
+        """Quantise the frozen base layers in place (``quantize``, then ``base_dtype="fp8"``), or
+        convert the linear layers to float8 training (``fp8_training``); then the mode's conversion."""
         if self.quantize is not None:
             from lightning_sloth.quant import quantize_model
 
             quantize_model(module, self.quantize, self.quantize_skip)
+        if self.base_dtype == "fp8" and self.quantize is not None:
+            fp8_compute_4bit(module, self.fp8_grad)  # 4-bit storage, FP8 products
+        elif self.base_dtype == "fp8":
+            fp8_base_model(module, self.quantize_skip, self.fp8_grad)
+        if self.fp8_training:
+            float8_training(module, self.quantize_skip)
         return super().convert_module(module)
 
 

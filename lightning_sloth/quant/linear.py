@@ -7,7 +7,9 @@ buffers holding the same bits, so ``model.to(torch.bfloat16)`` (which Lightning'
 applies to every floating-point tensor) moves them but can never round them.
 
 Its own forward (used where no LoRA adapter sits on it) runs ``sloth::lora_linear_4bit`` with a
-rank-0 adapter: the weight is dequantised into a reusable buffer, never kept for the backward.
+rank-0 adapter: the weight is dequantised into a reusable buffer, never kept for the backward. With
+``fp8_grad`` set (``SlothPrecision(quantize=..., base_dtype="fp8")``) its products run on FP8
+tensor cores instead (``sloth::linear_4bit_fp8``), the storage unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lightning_sloth.moe.quant import (
     model_expert_formats,
     quantize_experts,
 )
+from lightning_sloth.ops.fp8 import linear_4bit_fp8
 from lightning_sloth.ops.nf4 import lora_linear_4bit
 from lightning_sloth.ops.nf4_formats import (
     Packed4bit,
@@ -55,7 +58,11 @@ class Linear4bit(nn.Linear):
         quant_type: ``"nf4"``, ``"nf4-dq"`` or ``"fp4"``.
         blocksize: elements per block scale.
         weight_dtype: the dtype the weight had before quantisation.
+        fp8_grad: None (products in the compute dtype), or the input-gradient format of FP8
+            compute over the 4-bit storage (``"e4m3"``, ``"e5m2"``, ``"bf16"``).
     """
+
+    fp8_grad: str | None = None
 
     def __init__(self, storage: Packed4bit, bias: Tensor | None = None) -> None:
         nn.Module.__init__(self)
@@ -117,6 +124,9 @@ class Linear4bit(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         dtype = compute_dtype(x)
         x = x.to(dtype)
+        if self.fp8_grad is not None:
+            y = linear_4bit_fp8_storage(x, self.storage(), self.fp8_grad)
+            return y + self.bias.to(dtype) if self.bias is not None else y
         empty = x.new_empty(0, self.in_features)
         y = linear_4bit(x, self.storage(), empty, x.new_empty(self.out_features, 0), 0.0)
         return y + self.bias.to(dtype) if self.bias is not None else y
@@ -199,6 +209,19 @@ def linear_4bit(x: Tensor, storage: Packed4bit, lora_a: Tensor, lora_b: Tensor, 
     """``sloth::lora_linear_4bit`` on a :class:`Packed4bit` (double-quantised scales decoded first)."""
     return lora_linear_4bit(
         x, storage.packed, storage.block_absmax(), storage.code, storage.blocksize, lora_a, lora_b, scale
+    )
+
+
+def linear_4bit_fp8_storage(x: Tensor, storage: Packed4bit, grad_format: str) -> Tensor:
+    """``sloth::linear_4bit_fp8`` on a :class:`Packed4bit`: the 4-bit weight's product in FP8."""
+    return linear_4bit_fp8(
+        x,
+        storage.packed,
+        storage.block_absmax(),
+        storage.code,
+        storage.blocksize,
+        storage.shape[0],
+        grad_format,
     )
 
 
@@ -340,10 +363,10 @@ def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) 
 
 @torch.no_grad()
 def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Undo the 4-bit storage of ``model`` in place: dense frozen weights for merging and export.
+    """Undo the 4-bit (or FP8) storage of ``model`` in place: dense frozen weights for merging and export.
 
-    Every :class:`Linear4bit` and bitsandbytes ``Linear4bit`` becomes an ``nn.Linear`` and every
-    4-bit MoE expert weight a dense 3-D parameter. Weights are decoded exactly as training decoded
+    Every :class:`Linear4bit`, bitsandbytes ``Linear4bit`` and FP8 ``LinearFP8`` (codes times
+    scales) becomes an ``nn.Linear`` and every 4-bit MoE expert weight a dense 3-D parameter. Weights are decoded exactly as training decoded
     them, ``code[q] * absmax`` in float32 (double-quantised scales first), then rounded once to
     ``dtype``: in float32 that is the exact value whose rounding the 16-bit compute used. PEFT
     wrappers stay around the new layers, so ``merge_and_unload`` then merges LoRA into them.
@@ -356,13 +379,19 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> li
         module = model.get_submodule(name)
         converted += [f"{name}.{w}" for w in dequantize_experts(module, dtype)]
         # A PEFT wrapper shows its base's weight as its own: only the base layer itself is replaced.
-        storage = four_bit_storage(module) if name and not hasattr(module, "base_layer") else None
-        if storage is None:
+        if not name or hasattr(module, "base_layer"):
+            continue
+        storage = four_bit_storage(module)
+        if storage is not None:
+            weight = dequantize_4bit_reference(storage, dtype)
+        elif isinstance(module, nn.Linear) and callable(getattr(module, "dequantized", None)):
+            weight = module.dequantized(dtype)  # an FP8 base layer (quant.fp8.LinearFP8)
+        else:
             continue
         linear = nn.Linear(
             module.in_features, module.out_features, bias=module.bias is not None, device="meta"
         )
-        linear.weight = nn.Parameter(dequantize_4bit_reference(storage, dtype), requires_grad=False)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
         parent, _, child = name.rpartition(".")

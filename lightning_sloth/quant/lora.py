@@ -1,4 +1,5 @@
-"""The PEFT LoRA forward over a 4-bit base weight, through ``sloth::lora_linear_4bit``.
+"""The PEFT LoRA forward over a quantised base weight: 4-bit through ``sloth::lora_linear_4bit``,
+FP8 (:class:`~lightning_sloth.quant.fp8.LinearFP8`) through ``sloth::linear_fp8``.
 
 Takes PEFT's plain ``lora.Linear`` around a :class:`~lightning_sloth.quant.linear.Linear4bit` and
 PEFT's ``lora.bnb.Linear4bit`` around a bitsandbytes ``Linear4bit`` (a model loaded with
@@ -11,11 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit
+from lightning_sloth.quant.fp8 import LinearFP8, add_lora, lora_fp8_forward
+from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit, linear_4bit_fp8_storage
 
 
 def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
-    """Forward of a PEFT LoRA layer with a 4-bit base, or None when it is outside the plain case.
+    """Forward of a PEFT LoRA layer with a 4-bit or FP8 base, or None when it is outside the plain case.
 
     The plain case: one active adapter, unmerged and enabled, no dropout, no DoRA or other variant,
     no LoRA bias (a base bias is added). The product runs in the autocast dtype under autocast,
@@ -40,19 +42,34 @@ def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
     if module.use_dora.get(adapter, False) or getattr(module, "fan_in_fan_out", False):
         return None
     base = module.get_base_layer()
-    storage = four_bit_storage(base)
     lora_a, lora_b = lora_a_modules[adapter], module.lora_B[adapter]
-    if storage is None or not isinstance(module.lora_dropout[adapter], nn.Identity):
+    if not isinstance(module.lora_dropout[adapter], nn.Identity):
         return None
     if lora_a.bias is not None or lora_b.bias is not None:
+        return None
+    if isinstance(base, LinearFP8):
+        if x.device != base.weight.device or compute_dtype(x) not in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+        ):
+            return None
+        return lora_fp8_forward(base, x, lora_a, lora_b, module.scaling[adapter])
+    storage = four_bit_storage(base)
+    if storage is None:
         return None
     if x.device != storage.packed.device:
         return None
     dtype = compute_dtype(x)
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    y = linear_4bit(
-        x.to(dtype), storage, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter]
-    )
+    if getattr(base, "fp8_grad", None) is not None:  # 4-bit storage, FP8 compute
+        x = x.to(dtype)
+        y = linear_4bit_fp8_storage(x, storage, base.fp8_grad)
+        y = add_lora(y, x, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter])
+    else:
+        y = linear_4bit(
+            x.to(dtype), storage, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter]
+        )
     bias = getattr(base, "bias", None)
     return y + bias.to(dtype) if bias is not None else y

@@ -1,0 +1,308 @@
+"""FP8 frozen-base products as ops: ``sloth::linear_fp8`` (``x W^T``) and its input gradient
+``sloth::linear_fp8_grad`` (``dy W``), W stored in e4m3 with one float32 scale per output channel.
+
+::
+
+    forward   q_x, s_x = rowwise_e4m3(x)                       x [M, K] -> codes, s_x [M, 1]
+              y = _scaled_mm(q_x, q_W^T, s_x, s_W^T)           bf16 [M, N], float32 accumulation
+    backward  e4m3 / e5m2:  q_g, s_g = rowwise(dy * s_W^T)      W's scales folded into dy's columns
+                            dx = _scaled_mm(q_g, q_W, s_g, 1)
+              bf16:         dx = dy @ bf16(q_W * s_W)           a 16-bit GEMM on the dequantised weight
+
+The ops take W's codes as ``uint8`` (the e4m3 bits; viewed back inside): the op checks of
+``torch.library`` compare their arguments with arithmetic CPU float8 tensors do not have.
+
+``sloth::linear_4bit_fp8`` (and its ``_grad``) computes the same products for a weight stored in
+4 bits (QLoRA): each call decodes it to bfloat16 in the 4-bit ops' reused buffer and quantises it per
+row to e4m3 first, so the memory stays that of the 4-bit weights.
+
+Only the input gradient exists: the weight is frozen (LoRA trains beside it, in the compute dtype).
+Saved for the backward: the FP8 weight and its scales (module state, nothing new per call).
+
+The per-row quantisation is one Triton kernel on CUDA (``lightning_sloth.kernels.fp8``: amax, scale
+and codes from one read of the input, W's scales multiplied in for the gradient), bit-identical to
+the plain-torch :func:`~lightning_sloth.ops.fp8_formats.quantize_rows`.
+
+Where the FP8 GEMM runs: CUDA devices with FP8 tensor cores (sm89+), bfloat16 activations, ``K`` and
+``N`` multiples of 16 (``torch._scaled_mm``'s layout rule; every transformer projection meets it).
+Everywhere else (CPU, float32, odd shapes) the body is the plain-torch emulation of
+:mod:`lightning_sloth.ops.fp8_formats` (quantise, dequantise, float32 matmul), which is also the
+oracle of the GPU path: the two differ only in float32 accumulation order and the final rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from lightning_sloth.ops.fp8_formats import (
+    FP8_DTYPES,
+    check_grad_format,
+    dequantize_rows,
+    fp8_linear_grad_reference,
+    fp8_linear_reference,
+    fp8_supported,
+    quantize_rows,
+)
+from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
+from lightning_sloth.ops.registry import (
+    TRITON_OPS,
+    call,
+    register_autograd,
+    register_flops,
+    sloth_op,
+    use_triton,
+)
+
+if TRITON_OPS:
+    from lightning_sloth.kernels import fp8 as _kernels
+
+__all__ = ["fp8_from_4bit", "linear_4bit_fp8", "linear_fp8", "linear_fp8_grad", "scaled_mm_applies"]
+
+_E4M3 = FP8_DTYPES["e4m3"]
+
+
+@functools.cache
+def _device_has_fp8(index: int) -> bool:
+    return fp8_supported(index)
+
+
+def scaled_mm_applies(x: Tensor, n: int) -> bool:
+    """Whether the product of ``x [M, K]`` with an ``[n, K]`` FP8 weight runs ``torch._scaled_mm``
+    (CUDA with FP8 tensor cores, bfloat16, ``K`` and ``n`` multiples of 16), not the emulation."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and x.shape[-1] % 16 == 0
+        and n % 16 == 0
+        and _device_has_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    )
+
+
+def _quantize(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Row-wise codes and scales of ``t`` (times ``col_scale [K]`` per column): the kernel on CUDA."""
+    if use_triton(t):
+        return _kernels.quantize_rows(t, FP8_DTYPES[fmt], col_scale)
+    return quantize_rows(t.float() * col_scale if col_scale is not None else t, fmt)
+
+
+def _product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+    """``x W^T`` for e4m3 ``W`` and its ``[N, 1]`` scales: ``_scaled_mm`` where it applies, else the emulation."""
+    if scaled_mm_applies(x, weight.shape[0]):
+        qx, sx = _quantize(x, "e4m3")
+        return torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
+    return fp8_linear_reference(x, weight, weight_scale)
+
+
+def _grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``dy W`` for e4m3 ``W`` (see the module notes)."""
+    if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
+        qg, sg = _quantize(dy, grad_format, weight_scale.view(-1))
+        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
+        # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
+        w_col = weight.t().contiguous().t()
+        return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+    if grad_format == "bf16" and dy.device.type == "cuda":
+        return dy @ dequantize_rows(weight, weight_scale, dy.dtype)
+    return fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
+
+
+@sloth_op("linear_fp8")
+def _linear_op(x: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``x [M, K] @ W^T`` for the e4m3 ``W [N, K]`` (its bits, uint8) with scales ``[N, 1]``;
+    ``grad_format`` is for the backward."""
+    return _product(x, weight_bits.view(_E4M3), weight_scale)
+
+
+@_linear_op.register_fake
+def _linear_fake(x, weight, weight_scale, grad_format):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@sloth_op("linear_fp8_grad")
+def _grad_op(dy: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+    """``dy [M, N] @ W`` for the e4m3 ``W [N, K]`` (its bits, uint8): the input gradient (see the module notes)."""
+    return _grad_product(dy, weight_bits.view(_E4M3), weight_scale, grad_format)
+
+
+@_grad_op.register_fake
+def _grad_fake(dy, weight, weight_scale, grad_format):
+    return dy.new_empty((dy.shape[0], weight.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, weight_scale, grad_format = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.grad_format = grad_format
+
+
+def _backward(ctx, grad_y):
+    weight, weight_scale = ctx.saved_tensors
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise RuntimeError("sloth::linear_fp8: the FP8 base weight is frozen; it has no gradient")
+    dx = call(_grad_op, grad_y.contiguous(), weight, weight_scale, ctx.grad_format)
+    return dx, None, None, None
+
+
+register_autograd(_linear_op, _backward, _setup_context)
+register_flops(_linear_op, lambda x, w, s, fmt, out_shape=None: 2 * x[0] * x[1] * w[0])
+register_flops(_grad_op, lambda dy, w, s, fmt, out_shape=None: 2 * dy[0] * dy[1] * w[1])
+
+
+def _check(x: Tensor, weight: Tensor, weight_scale: Tensor, name: str) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{name} computes in float16/bfloat16/float32, got {x.dtype}")
+    if weight.dtype != _E4M3 or weight.dim() != 2:
+        raise TypeError(
+            f"{name}: the weight must be [out, in] float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0], 1):
+        raise ValueError(
+            f"{name}: weight_scale must be float32 [{weight.shape[0]}, 1] (one per output channel), "
+            f"got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if len({x.device, weight.device, weight_scale.device}) > 1:
+        raise ValueError(f"{name}: x ({x.device}) and the FP8 weight ({weight.device}) must share a device")
+
+
+def linear_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str = "e4m3") -> Tensor:
+    """``x @ W.T`` for the frozen FP8 weight ``W``, x quantised per row to e4m3 on the fly.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32 (the FP8 GEMM runs for bfloat16 on sm89+ CUDA).
+        weight: ``[out, in]`` ``float8_e4m3fn`` codes.
+        weight_scale: ``[out, 1]`` float32 per-output-channel scales.
+        grad_format: how the input gradient is computed: ``"e4m3"``, ``"e5m2"`` or ``"bf16"``
+            (see :data:`~lightning_sloth.ops.fp8_formats.GRAD_FORMATS`).
+
+    Returns:
+        ``[..., out]`` in x's dtype; the gradient flows to x only.
+    """
+    _check(x, weight, weight_scale, "linear_fp8")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"linear_fp8: x {tuple(x.shape)} does not fit the weight {tuple(weight.shape)} [out, in]"
+        )
+    rows = x.reshape(-1, x.shape[-1])
+    y = call(_linear_op, rows, weight.view(torch.uint8), weight_scale, check_grad_format(grad_format))
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_fp8_grad(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str = "e4m3") -> Tensor:
+    """``dy @ W``: the input gradient of :func:`linear_fp8` for ``dy [..., out]``, as ``[..., in]``."""
+    _check(dy, weight, weight_scale, "linear_fp8_grad")
+    if weight.shape[0] != dy.shape[-1]:
+        raise ValueError(
+            f"linear_fp8_grad: dy {tuple(dy.shape)} does not fit the weight {tuple(weight.shape)}"
+        )
+    rows = dy.reshape(-1, dy.shape[-1])
+    dx = call(
+        _grad_op, rows.contiguous(), weight.view(torch.uint8), weight_scale, check_grad_format(grad_format)
+    )
+    return dx.view(*dy.shape[:-1], weight.shape[1])
+
+
+# ------------------------------------------------------------------ 4-bit storage, FP8 compute
+def fp8_from_4bit(
+    packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, shape: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """The e4m3 codes ``[N, K]`` and ``[N, 1]`` scales of a 4-bit weight: decoded to bfloat16 (into the
+    4-bit ops' reused buffer, exactly as ``sloth::lora_linear_4bit`` decodes it), then quantised per row.
+    Plain torch off CUDA with the same arithmetic, so both give the same codes."""
+    n, k = shape
+    dense = dequantize_4bit_into(
+        packed, absmax, code, blocksize, _scratch(n, k, torch.bfloat16, packed.device)
+    )
+    return _quantize(dense, "e4m3")
+
+
+@sloth_op("linear_4bit_fp8")
+def _linear_4bit_op(
+    x: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, n: int, grad_format: str
+) -> Tensor:
+    """``x [M, K] @ W^T`` for the 4-bit ``W [n, K]``, computed in FP8 (see :func:`linear_4bit_fp8`)."""
+    return _product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
+
+
+@_linear_4bit_op.register_fake
+def _linear_4bit_fake(x, packed, absmax, code, blocksize, n, grad_format):
+    return x.new_empty((x.shape[0], n))
+
+
+@sloth_op("linear_4bit_fp8_grad")
+def _grad_4bit_op(
+    dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, k: int, grad_format: str
+) -> Tensor:
+    """``dy [M, N] @ W`` for the 4-bit ``W [N, k]``, computed in FP8 (``grad_format`` for dy)."""
+    return _grad_product(dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format)
+
+
+@_grad_4bit_op.register_fake
+def _grad_4bit_fake(dy, packed, absmax, code, blocksize, k, grad_format):
+    return dy.new_empty((dy.shape[0], k))
+
+
+def _setup_4bit(ctx, inputs, output):
+    x, packed, absmax, code, blocksize, n, grad_format = inputs
+    ctx.save_for_backward(packed, absmax, code)
+    ctx.blocksize, ctx.k, ctx.grad_format = blocksize, x.shape[1], grad_format
+
+
+def _backward_4bit(ctx, grad_y):
+    packed, absmax, code = ctx.saved_tensors
+    if any(ctx.needs_input_grad[1:4]):
+        raise RuntimeError("sloth::linear_4bit_fp8: the 4-bit base weight is frozen; it has no gradient")
+    dx = call(_grad_4bit_op, grad_y.contiguous(), packed, absmax, code, ctx.blocksize, ctx.k, ctx.grad_format)
+    return dx, None, None, None, None, None, None
+
+
+register_autograd(_linear_4bit_op, _backward_4bit, _setup_4bit)
+register_flops(_linear_4bit_op, lambda x, p, a, c, b, n, fmt, out_shape=None: 2 * x[0] * x[1] * n + x[1] * n)
+register_flops(
+    _grad_4bit_op, lambda dy, p, a, c, b, k, fmt, out_shape=None: 2 * dy[0] * dy[1] * k + dy[1] * k
+)
+
+
+def linear_4bit_fp8(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    out_features: int,
+    grad_format: str = "e4m3",
+) -> Tensor:
+    """``x @ W.T`` for a frozen 4-bit ``W [out, in]`` (QLoRA storage) computed on FP8 tensor cores.
+
+    Each call decodes W to bfloat16 in a reused buffer and quantises it per output channel to e4m3
+    (:func:`fp8_from_4bit`); x is quantised per row, and the product is :func:`linear_fp8`'s. The
+    backward decodes again (nothing dense is kept) and computes ``dy W`` in ``grad_format``. The
+    weight stays in 4 bits: memory as with ``sloth::lora_linear_4bit``.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32.
+        packed, absmax, code, blocksize: W's 4-bit storage (float32 block scales, see
+            ``lightning_sloth.ops.nf4.dequantize_4bit``).
+        out_features: rows of W.
+        grad_format: ``"e4m3"``, ``"e5m2"`` or ``"bf16"``.
+
+    Returns:
+        ``[..., out_features]`` in x's dtype; the gradient flows to x only.
+    """
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"linear_4bit_fp8 computes in float16/bfloat16/float32, got {x.dtype}")
+    _check_storage(packed, absmax, code, blocksize, out_features * x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    y = call(
+        _linear_4bit_op,
+        rows,
+        packed,
+        absmax,
+        code,
+        int(blocksize),
+        int(out_features),
+        check_grad_format(grad_format),
+    )
+    return y.view(*x.shape[:-1], out_features)

@@ -1,0 +1,132 @@
+"""FP8 base weights on an FP8 GPU (sm89+): ``torch._scaled_mm`` with row-wise scales against the
+plain-torch emulation, forward and input gradient in each format, opcheck and compile on CUDA, and a
+short loss curve of LoRA over FP8 bases against bf16 bases (``Trainer`` + ``SlothPrecision``)."""
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
+from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
+from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.ops.fp8 import linear_fp8, scaled_mm_applies
+from lightning_sloth.ops.fp8_formats import fp8_linear_grad_reference, fp8_linear_reference, quantize_rows
+from lightning_sloth.quant.fp8 import LinearFP8
+
+pytestmark = pytest.mark.gpu  # on a GPU with FP8 tensor cores (sm89+: Ada, Hopper)
+
+# (tokens, in, out): an 8B projection, a GQA k/v one, and a token count that is no multiple of 16.
+SHAPES = [(2048, 4096, 4096), (1000, 4096, 1024), (333, 2048, 8192)]
+
+
+def _close_to_emulation(actual, emulated):
+    """Both are float32 sums of the same FP8 products rounded once to bf16: they differ by the
+    accumulation order (far below bf16's ulp) and at most one bf16 rounding step."""
+    scale = emulated.float().abs() + emulated.float().abs().mean() * 1e-2
+    error = (actual.float() - emulated.float()).abs()
+    assert (error <= scale * 2.0**-7).all(), float((error / scale).max())
+
+
+@pytest.mark.parametrize(("tokens", "k", "n"), SHAPES)
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2", "bf16"])
+def test_scaled_mm_path_matches_the_emulation(tokens, k, n, grad_format):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    codes, scale = quantize_rows(w, "e4m3")
+    x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16().requires_grad_()
+    assert scaled_mm_applies(x, n)
+    y = linear_fp8(x, codes, scale, grad_format)
+    _close_to_emulation(y, fp8_linear_reference(x.detach(), codes, scale))
+    dy = torch.randn(tokens, n, device="cuda", generator=gen).bfloat16()
+    y.backward(dy)
+    _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, codes, scale, grad_format))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("width", [53, 4096, 14336])
+def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
+    from lightning_sloth.kernels import fp8 as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(517, width, device="cuda", generator=gen) * 3).bfloat16()
+    x[7] = 0
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    for col_scale in (None, torch.rand(width, device="cuda", generator=gen) + 0.5):
+        codes, scale = kernels.quantize_rows(x, dtype, col_scale)
+        ref_codes, ref_scale = quantize_rows(x.float() * col_scale if col_scale is not None else x, fmt)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_4bit_storage_with_fp8_compute_matches_the_emulation(grad_format):
+    from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8
+    from lightning_sloth.quant import dequantize_4bit_reference, quantize_4bit
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    storage = quantize_4bit(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02, "nf4")
+    args = (storage.packed, storage.block_absmax(), storage.code, storage.blocksize)
+    codes, scale = fp8_from_4bit(*args, (1024, 4096))
+    ref_codes, ref_scale = quantize_rows(dequantize_4bit_reference(storage, torch.bfloat16), "e4m3")
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    x = torch.randn(700, 4096, device="cuda", generator=gen).bfloat16().requires_grad_()
+    y = linear_4bit_fp8(x, *args, 1024, grad_format)
+    _close_to_emulation(y, fp8_linear_reference(x.detach(), ref_codes, ref_scale))
+    dy = torch.randn(700, 1024, device="cuda", generator=gen).bfloat16()
+    y.backward(dy)
+    _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, ref_codes, ref_scale, grad_format))
+
+
+def test_odd_shapes_and_float32_run_the_emulation_exactly():
+    codes, scale = quantize_rows(torch.randn(40, 53, device="cuda"), "e4m3")
+    x = torch.randn(9, 53, device="cuda").bfloat16()
+    assert not scaled_mm_applies(x, 40)
+    assert torch.equal(linear_fp8(x, codes, scale), fp8_linear_reference(x, codes, scale))
+
+
+def test_opcheck_and_compile_on_cuda():
+    codes, scale = quantize_rows(torch.randn(64, 128, device="cuda"), "e4m3")
+    x = torch.randn(48, 128, device="cuda").bfloat16().requires_grad_()
+    torch.library.opcheck(torch.ops.sloth.linear_fp8.default, (x, codes.view(torch.uint8), scale, "e4m3"))
+    compiled = torch.compile(lambda t: linear_fp8(t, codes, scale), fullgraph=True)
+    torch.testing.assert_close(compiled(x), linear_fp8(x, codes, scale), rtol=2**-7, atol=1e-3)
+
+
+class _Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _curve(**fp8):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seed_everything(0)
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    data = PackedDataModule(tokenizer, train=SyntheticTask(4000, seed=1), max_tokens=4096)
+    module = CausalLMModule(model, lora=LoraSettings(r=16), optimizer=OptimizerSettings(lr=3e-3))
+    record = _Losses()
+    trainer = Trainer(
+        accelerator="gpu", devices=1, plugins=[SlothPrecision("bf16-mixed", **fp8)],
+        strategy=SlothStrategy(kernels=True), max_steps=120, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return find_hf_model(module), record.losses
+
+
+def test_short_loss_curve_of_fp8_bases_follows_bf16():
+    _, bf16 = _curve()
+    model, fp8 = _curve(base_dtype="fp8")
+    assert sum(isinstance(m, LinearFP8) for m in model.modules()) == 4 * 7
+    tail = 20
+    final_bf16, final_fp8 = sum(bf16[-tail:]) / tail, sum(fp8[-tail:]) / tail
+    assert final_bf16 < bf16[0] * 0.7 and final_fp8 < fp8[0] * 0.7  # both learn
+    assert abs(final_fp8 / final_bf16 - 1) < 0.02, (final_bf16, final_fp8)

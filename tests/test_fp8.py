@@ -1,0 +1,407 @@
+"""FP8 base weights on CPU: the row-wise format and its error bounds, ``sloth::linear_fp8`` against the
+emulation (exactly) and against the float64 product (within FP8's error), forward and backward, opcheck;
+``LinearFP8`` from bf16 and from NF4; LoRA over FP8 bases trains and its gradients equal the emulated
+reference; ``SlothPrecision(base_dtype="fp8")`` and its refusals; the Hydra preset; torchao's float8
+training."""
+
+import copy
+import sys
+
+import pytest
+import torch
+from _models import add_lora, packed_batch, random_documents, tiny_llama
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import nn
+
+from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
+from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
+from lightning_sloth.hf_model import find_hf_model
+from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad
+from lightning_sloth.ops.fp8_formats import (
+    check_fp8_device,
+    dequantize_rows,
+    fp8_linear_grad_reference,
+    fp8_linear_reference,
+    quantize_rows,
+)
+from lightning_sloth.quant import Linear4bit, quantize_model
+from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
+from lightning_sloth.transform import transform_model
+
+# Half a unit in the last place, relative (normal numbers), and the subnormal half-spacing in units
+# of the row scale: e4m3 has 3 mantissa bits and subnormals 2^-9 apart; e5m2 2 bits and 2^-16.
+ROUNDING = {"e4m3": (2.0**-4, 2.0**-10), "e5m2": (2.0**-3, 2.0**-17)}
+
+
+def _strided(rows, cols, seed):
+    """A non-contiguous ``[rows, cols]`` float32 tensor with a wide spread of magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.randn(rows, 2 * cols, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))
+    return big[:, ::2]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_row_quantisation_round_trip_is_within_half_an_ulp(fmt):
+    t = _strided(37, 53, seed=1)
+    t[5] = 0.0
+    assert not t.is_contiguous()
+    q, scale = quantize_rows(t, fmt)
+    assert q.dtype == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    assert scale.shape == (37, 1) and scale.dtype == torch.float32
+    back = dequantize_rows(q, scale)
+    relative, subnormal = ROUNDING[fmt]
+    bound = t.abs() * relative + scale * subnormal
+    assert ((back - t).abs() <= bound * (1 + 1e-6)).all()
+    # Each row's largest magnitude lands on the format's largest value; a zero row stays zero.
+    fmax = torch.finfo(q.dtype).max
+    assert torch.allclose(q.float().abs().amax(1)[t.abs().amax(1) > 0], torch.tensor(fmax))
+    assert scale[5].item() == 1.0 and (back[5] == 0).all()
+    # Values already on the grid of their row come back exactly.
+    assert torch.equal(dequantize_rows(*quantize_rows(back, fmt)), back)
+
+
+def test_quantize_rows_rejects_bad_input():
+    with pytest.raises(ValueError, match="e4m3"):
+        quantize_rows(torch.randn(3, 4), "e3m4")
+    with pytest.raises(ValueError, match="rows, cols"):
+        quantize_rows(torch.randn(3, 4, 5))
+
+
+def _weight(out_features, in_features, seed):
+    w = _strided(out_features, in_features, seed) * 0.2
+    return w, *quantize_rows(w, "e4m3")
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2", "bf16"])
+def test_linear_fp8_equals_the_emulation_and_the_float64_product_within_fp8_error(grad_format):
+    w, codes, scale = _weight(29, 53, seed=2)
+    x = _strided(2 * 19, 53, seed=3).reshape(2, 19, 53).requires_grad_()
+    y = linear_fp8(x, codes, scale, grad_format)
+    assert y.shape == (2, 19, 29) and y.dtype == torch.float32
+    rows = x.detach().reshape(-1, 53)
+    assert torch.equal(y.detach().reshape(-1, 29), fp8_linear_reference(rows, codes, scale))
+    # Against the exact product with the unquantised weight: each term is off by at most the two
+    # operands' roundings (e4m3: 2^-4 each), plus the subnormal floor.
+    exact = rows.double() @ w.double().t()
+    magnitude = rows.abs().double() @ w.abs().double().t()
+    error = (y.detach().reshape(-1, 29).double() - exact).abs()
+    assert (error <= magnitude * (2 * 2.0**-4 + 2.0**-8) + 1e-6).all()
+    assert error.max() > 0  # it is FP8, not a float32 product
+
+    dy = _strided(38, 29, seed=4).reshape(2, 19, 29)
+    y.backward(dy)
+    flat = dy.reshape(-1, 29)
+    assert torch.equal(x.grad.reshape(-1, 53), fp8_linear_grad_reference(flat, codes, scale, grad_format))
+    assert torch.equal(x.grad, linear_fp8_grad(dy, codes, scale, grad_format))
+    exact_dx = flat.double() @ w.double()
+    dx_bound = {"e4m3": 2 * 2.0**-4, "e5m2": 2.0**-3 + 2.0**-4, "bf16": 2.0**-4}[grad_format] + 2.0**-8
+    dx_error = (x.grad.reshape(-1, 53).double() - exact_dx).abs()
+    assert (dx_error <= (flat.abs().double() @ w.abs().double()) * dx_bound + 1e-6).all()
+
+
+def test_linear_fp8_in_bfloat16_matches_the_emulation():
+    w, codes, scale = _weight(32, 48, seed=5)
+    x = torch.randn(7, 48).bfloat16()
+    y = linear_fp8(x, codes, scale)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, fp8_linear_reference(x, codes, scale))
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2", "bf16"])
+def test_opcheck(grad_format):
+    w, codes, scale = _weight(16, 24, seed=6)
+    x = torch.randn(5, 24, requires_grad=True)
+    bits = codes.view(torch.uint8)
+    torch.library.opcheck(torch.ops.sloth.linear_fp8.default, (x, bits, scale, grad_format))
+    torch.library.opcheck(
+        torch.ops.sloth.linear_fp8_grad.default, (torch.randn(5, 16), bits, scale, grad_format)
+    )
+
+
+def test_linear_fp8_rejects_bad_input():
+    w, codes, scale = _weight(16, 24, seed=7)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        linear_fp8(torch.randn(3, 24), w, scale)
+    with pytest.raises(ValueError, match=r"\[16, 1\]"):
+        linear_fp8(torch.randn(3, 24), codes, scale.t())
+    with pytest.raises(ValueError, match="does not fit"):
+        linear_fp8(torch.randn(3, 23), codes, scale)
+    with pytest.raises(ValueError, match="bf16"):
+        linear_fp8(torch.randn(3, 24), codes, scale, "fp16")
+
+
+def test_linear_fp8_layer_from_bf16_and_from_nf4():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True)
+    layer = LinearFP8.from_linear(linear)
+    assert layer.weight.dtype == torch.uint8 and not layer.weight.requires_grad
+    codes, scale = layer.fp8_weight()
+    assert torch.equal(codes.float(), quantize_rows(linear.weight.detach())[0].float())
+    x = torch.randn(5, 64)
+    assert torch.equal(layer(x), fp8_linear_reference(x, codes, scale) + linear.bias.detach())
+    # bf16 conversion (Lightning's half precision) moves the codes and scales but never converts them.
+    half = copy.deepcopy(layer).to(torch.bfloat16)
+    assert torch.equal(half.weight, layer.weight) and torch.equal(half.weight_scale, layer.weight_scale)
+    # A bf16 checkpoint loaded into the FP8 layer is refused, not cast.
+    with pytest.raises(ValueError, match="FP8"):
+        layer.load_state_dict(linear.state_dict())
+    layer.load_state_dict(copy.deepcopy(layer.state_dict()))
+
+    four = Linear4bit.from_linear(linear, "nf4")
+    from_four = LinearFP8.from_4bit(four)
+    from lightning_sloth.quant import dequantize_4bit_reference
+
+    expected, _ = quantize_rows(dequantize_4bit_reference(four.storage(), torch.float32))
+    assert torch.equal(from_four.fp8_weight()[0].float(), expected.float())
+    assert torch.equal(from_four.bias, linear.bias.detach())
+
+
+class _EmulatedBase(torch.autograd.Function):
+    """The FP8 base product written with the emulation functions only (the oracle of the op's wiring)."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scale, grad_format):
+        ctx.save_for_backward(codes, scale)
+        ctx.grad_format = grad_format
+        return fp8_linear_reference(x.reshape(-1, x.shape[-1]), codes, scale).view(
+            *x.shape[:-1], codes.shape[0]
+        )
+
+    @staticmethod
+    def backward(ctx, dy):
+        codes, scale = ctx.saved_tensors
+        dx = fp8_linear_grad_reference(dy.reshape(-1, dy.shape[-1]), codes, scale, ctx.grad_format)
+        return dx.view(*dy.shape[:-1], codes.shape[1]), None, None, None
+
+
+def _emulate(model):
+    """Every ``LinearFP8`` of ``model`` computes through :class:`_EmulatedBase` (its class forward
+    replaced on the instance; PEFT's own LoRA forward runs around it)."""
+    for module in model.modules():
+        if isinstance(module, LinearFP8):
+            module.forward = lambda x, m=module: _EmulatedBase.apply(x, *m.fp8_weight(), m.grad_format)
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_lora_over_fp8_bases_gives_the_emulated_gradients(grad_format):
+    model = add_lora(tiny_llama())
+    converted = fp8_base_model(model, grad_format=grad_format)
+    assert len(converted) == 14 and not any("lm_head" in n or "lora_" in n for n in converted)
+    reference = copy.deepcopy(model)
+    _emulate(reference)
+    for m in (model, reference):
+        report = transform_model(m, kernels=True)
+        assert "lora" not in report.kernels.skipped  # every LoRA layer runs the quantised-base path
+    batch = packed_batch(random_documents([23, 17, 30], seed=3))
+    losses, grads = [], []
+    for m in (model, reference):
+        m.train()
+        loss = m(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 28
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fp8_bases_stay_close_to_the_float32_model():
+    dense = add_lora(tiny_llama())
+    fp8 = copy.deepcopy(dense)
+    fp8_base_model(fp8)
+    batch = packed_batch(random_documents([40, 25], seed=4))
+    with torch.no_grad():
+        loss_dense = dense(**batch.model_inputs(), labels=batch.labels).loss
+        loss_fp8 = fp8(**batch.model_inputs(), labels=batch.labels).loss
+    assert loss_fp8 != loss_dense
+    assert abs(loss_fp8 / loss_dense - 1) < 0.01
+
+
+def test_fp8_base_model_converts_4bit_layers_and_refuses_an_empty_model():
+    model = add_lora(tiny_llama())
+    quantize_model(model, "nf4")
+    converted = fp8_base_model(model)
+    assert len(converted) == 14
+    assert not any(isinstance(m, Linear4bit) for m in model.modules())
+    assert fp8_base_model(model) == []  # already in FP8
+    with pytest.raises(ValueError, match="no linear layer"):
+        fp8_base_model(nn.Sequential(nn.ReLU()))
+
+
+def _fit(precision):
+    seed_everything(0)
+    data = PackedDataModule(build_char_tokenizer(), train=SyntheticTask(64, seed=1), max_tokens=256)
+    module = CausalLMModule(tiny_llama(), lora=LoraSettings(r=8), optimizer=OptimizerSettings(lr=2e-2))
+    losses = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = Trainer(
+        plugins=[precision],
+        strategy=SlothStrategy(kernels=True),
+        max_steps=8,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+    )
+    trainer.fit(module, datamodule=data)
+    return module, losses
+
+
+def test_trainer_with_fp8_bases_trains():
+    module, losses = _fit(SlothPrecision("32-true", base_dtype="fp8"))
+    model = find_hf_model(module)
+    assert sum(isinstance(m, LinearFP8) for m in model.modules()) == 14
+    assert losses[-1] < losses[0] * 0.9
+
+
+def test_precision_validates_fp8_choices():
+    precision = SlothPrecision("32-true", base_dtype="fp8", fp8_grad="e5m2")
+    assert precision.base_dtype == "fp8" and precision.fp8_grad == "e5m2"
+    qlora = SlothPrecision("32-true", quantize="nf4", base_dtype="fp8", fp8_grad="bf16")
+    model = qlora.convert_module(add_lora(tiny_llama()))
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    assert len(layers) == 14 and all(m.fp8_grad == "bf16" for m in layers)
+    with pytest.raises(ValueError, match="base_dtype"):
+        SlothPrecision("32-true", base_dtype="fp4")
+    with pytest.raises(ValueError, match="fp8_grad|gradient format"):
+        SlothPrecision("32-true", base_dtype="fp8", fp8_grad="fp16")
+    with pytest.raises(ValueError, match="float16"):
+        SlothPrecision("16-true", base_dtype="fp8")
+    with pytest.raises(ValueError, match="exclude each other"):
+        SlothPrecision("32-true", base_dtype="fp8", fp8_training=True)
+    with pytest.raises(ValueError, match="4-bit"):
+        SlothPrecision("32-true", quantize="nf4", fp8_training=True)
+
+
+@pytest.mark.parametrize(
+    ("capability", "refused"), [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)]
+)
+def test_fp8_is_refused_on_gpus_without_fp8_tensor_cores(monkeypatch, capability, refused):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    if refused:
+        with pytest.raises(
+            RuntimeError,
+            match=rf"compute capability {capability[0]}\.{capability[1]}.*8\.9|8\.9.*{capability[0]}\.{capability[1]}",
+        ):
+            SlothPrecision("bf16-true", base_dtype="fp8")
+        with pytest.raises(RuntimeError, match="NVIDIA Test GPU"):
+            check_fp8_device("cuda")
+    else:
+        assert SlothPrecision("bf16-true", base_dtype="fp8").base_dtype == "fp8"
+        check_fp8_device("cuda")
+    check_fp8_device("cpu")  # the emulation runs anywhere else
+
+
+def test_hydra_preset_builds_the_fp8_precision():
+    from hydra import compose, initialize_config_module
+
+    from lightning_sloth import build
+    from lightning_sloth.config import validate
+
+    with initialize_config_module("lightning_sloth.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["precision=fp8_lora", "precision.fp8_grad=bf16"])
+        validate(cfg)
+        precision = build.build_precision(cfg.precision)
+        assert precision.base_dtype == "fp8" and precision.fp8_grad == "bf16"
+        assert precision.quantize is None and precision.quantize_skip == ("lm_head",)
+        qlora = build.build_precision(
+            compose("train", overrides=["precision=fp8_lora", "precision.quantize=nf4"]).precision
+        )
+        assert qlora.quantize == "nf4" and qlora.base_dtype == "fp8"
+        full = compose("train", overrides=["precision=fp8_full", "lora.enabled=false"])
+        validate(full)
+        assert full.precision.fp8_training is True
+
+
+def test_float8_training_converts_with_torchao_or_names_the_extra(monkeypatch):
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = tiny_llama()
+    converted = float8_training(model)
+    assert len(converted) == 14 and "lm_head" not in converted
+    assert isinstance(model.model.layers[0].mlp.down_proj, Float8Linear)
+    assert type(model.lm_head) is nn.Linear
+    with pytest.raises(ValueError, match="base_dtype='fp8'"):
+        float8_training(add_lora(tiny_llama()))
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ImportError, match=r"lightning-sloth\[fp8\]"):
+        float8_training(tiny_llama())
+
+
+def test_fp8_bases_dequantise_for_merging():
+    from lightning_sloth.quant import dequantize_model
+
+    model = add_lora(tiny_llama())
+    fp8_base_model(model)
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    dense = layer.base_layer.dequantized(torch.float32)
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+    assert len(dequantize_model(model)) == 14
+    assert type(layer.base_layer) is nn.Linear and torch.equal(layer.base_layer.weight, dense)
+    merged = model.merge_and_unload()
+    torch.testing.assert_close(merged.model.layers[1].mlp.down_proj.weight, dense + delta.detach())
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2", "bf16"])
+def test_4bit_storage_with_fp8_compute_equals_the_emulation(grad_format):
+    from lightning_sloth.quant import dequantize_4bit_reference, quantize_4bit
+
+    w = _strided(48, 64, seed=8) * 0.1
+    storage = quantize_4bit(w, "nf4")
+    codes, scale = quantize_rows(dequantize_4bit_reference(storage, torch.bfloat16), "e4m3")
+    args = (storage.packed, storage.block_absmax(), storage.code, storage.blocksize)
+    got_codes, got_scale = fp8_from_4bit(*args, (48, 64))
+    assert torch.equal(got_codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(got_scale, scale)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    y = linear_4bit_fp8(x, *args, 48, grad_format)
+    assert torch.equal(
+        y.detach().reshape(-1, 48), fp8_linear_reference(x.detach().reshape(-1, 64), codes, scale)
+    )
+    dy = torch.randn(3, 5, 48)
+    y.backward(dy)
+    expected = fp8_linear_grad_reference(dy.reshape(-1, 48), codes, scale, grad_format)
+    assert torch.equal(x.grad.reshape(-1, 64), expected)
+    bits = storage.packed, storage.block_absmax(), storage.code
+    torch.library.opcheck(
+        torch.ops.sloth.linear_4bit_fp8.default,
+        (x.detach().reshape(-1, 64).requires_grad_(), *bits, 64, 48, grad_format),
+    )
+
+
+def test_qlora_with_fp8_compute_keeps_the_4bit_storage_and_equals_fp8_bases_of_its_weights():
+    from lightning_sloth.quant import dequantize_4bit_reference
+
+    nf4 = add_lora(tiny_llama())
+    quantize_model(nf4, "nf4")
+    fp8 = copy.deepcopy(nf4)
+    assert len(fp8_compute_4bit(fp8, "e4m3")) == 14
+    assert sum(isinstance(m, Linear4bit) for m in fp8.modules()) == 14  # storage unchanged
+    # The reference: FP8 bases made from each 4-bit weight decoded to bf16, as the op decodes it.
+    reference = copy.deepcopy(nf4)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, Linear4bit):
+            dense = dequantize_4bit_reference(module.storage(), torch.bfloat16)
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, LinearFP8.from_weight(dense, module.bias))
+    batch = packed_batch(random_documents([40, 25], seed=5))
+    losses, grads = [], []
+    for m in (nf4, fp8, reference):
+        transform_model(m, kernels=True)
+        loss = m(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad]))
+    assert losses[0] != losses[1] and abs(losses[1] / losses[0] - 1) < 0.01
+    torch.testing.assert_close(losses[1], losses[2], rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads[1], grads[2], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="no 4-bit layer"):
+        fp8_compute_4bit(tiny_llama())
