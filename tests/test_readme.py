@@ -90,6 +90,20 @@ def check_pip_install(args: list[str]) -> None:
             Requirement(requirement)
 
 
+def collect_only(args: list[str]) -> list[str]:
+    """A pytest command without its quietness and its worker options (``-n 2 --dist loadfile``):
+    collected in one process with one ``-q``, it prints "N tests collected"."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("-n", "--numprocesses", "--dist"):
+            skip = True
+        elif arg not in ("-q", "-qq", "--quiet") and not arg.startswith(("-n", "--dist=")):
+            kept.append(arg)
+    return kept
+
+
 def shorten(args: list[str]) -> list[str]:
     overrides = dict(SHORT)
     if not any(a.startswith(("data=", "experiment=")) for a in args):
@@ -134,7 +148,7 @@ def run_commands(commands: list[tuple[str, bool]], cwd: Path) -> tuple[list[str]
             if program == "python":
                 args = [sys.executable, *args[1:]]
             if args[1:3] == ["-m", "pytest"]:
-                result = run([*args, "--collect-only", "-q"], ROOT)
+                result = run([*collect_only(args), "--collect-only", "-q"], ROOT)
                 assert result.returncode == 0 and " collected" in result.stdout, result.stdout[-2000:]
             elif args[1:3] == ["-m", "lightning_sloth.bench"]:
                 if "report" in args:  # read-only here: compare README and docs with the committed JSON
