@@ -1,14 +1,20 @@
 """Test configuration: GPU tests skip cleanly where CUDA is absent, and the longest files run first.
 
 The CPU suite runs in two worker processes (``-n 2 --dist loadfile``: pytest-xdist hands out whole
-files in collection order). The files that run the app and several processes take minutes each;
-started last, one worker would run them alone at the end, so they are collected first.
+files). The files that run the app and several processes take minutes each; started last, one
+worker would run them alone at the end, so they are collected first and handed out in that order
+(xdist would otherwise order the files by their number of tests).
 """
 
 import pytest
 import torch
 
 LONGEST_FIRST = ("test_readme.py", "test_fsdp.py", "test_offload.py", "test_resume.py", "test_fsdp_meta.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present
+        config.option.loadscopereorder = False
 
 
 def _first(item) -> int:
