@@ -17,6 +17,7 @@ from lightning_sloth.ops.linear_cross_entropy import (
     linear_cross_entropy,
 )
 from lightning_sloth.quant import Linear4bit, quantize_model
+from lightning_sloth.transform import transform_model
 
 
 class _Outputs(TorchDispatchMode):
@@ -97,6 +98,21 @@ def test_every_4bit_shape_shares_one_buffer_the_size_of_the_largest():
     assert a.data_ptr() == b.data_ptr() and b.shape == (64, 96)
     nf4.release_scratch()
     assert nf4.scratch_bytes() == 0
+
+
+def test_probing_a_4bit_layer_decodes_nothing():
+    """``transform_model`` probes each LoRA layer with zero rows (in float32 for a 4-bit base): no
+    weight is decoded and no buffer made, so a bfloat16 model keeps no float32 buffer beside its own."""
+    nf4.release_scratch()
+    model = add_lora(tiny_llama(intermediate_size=96), r=4).to(torch.bfloat16)
+    quantize_model(model, "nf4")
+    transform_model(model, kernels=True)
+    assert nf4.scratch_bytes() == 0
+    batch = packed_batch(random_documents([9, 14]))
+    model.train()
+    model(**batch.model_inputs(), labels=batch.labels).loss.backward()
+    assert {dtype for dtype, _ in nf4._SCRATCH} == {torch.bfloat16}
+    nf4.release_scratch()
 
 
 # ---------------------------------------------------------------------------------- memory plan

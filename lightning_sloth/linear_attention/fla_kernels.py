@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_sloth.data.batch import host_cu_seqlens
+from lightning_sloth.linear_attention.fla_hopper import register_hopper_backend
 from lightning_sloth.linear_attention.reference import CHUNK_SIZE
 
 __all__ = ["EXTRA", "MISSING", "causal_conv1d_fla", "fla_available", "gated_delta_rule_fla"]
@@ -100,7 +101,9 @@ _TABLE = _ChunkTable()
 def _fla(module: str):
     if not fla_available():
         raise ImportError(MISSING)
-    return importlib.import_module(module)
+    loaded = importlib.import_module(module)
+    register_hopper_backend()  # the gated backward on Hopper with Triton 3.4-3.7.0 (see fla_hopper)
+    return loaded
 
 
 def causal_conv1d_fla(

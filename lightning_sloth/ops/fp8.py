@@ -223,6 +223,8 @@ def _linear_4bit_op(
     x: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, n: int, grad_format: str
 ) -> Tensor:
     """``x [M, K] @ W^T`` for the 4-bit ``W [n, K]``, computed in FP8 (see :func:`linear_4bit_fp8`)."""
+    if x.shape[0] == 0:  # nothing to multiply: no weight decoded
+        return x.new_zeros(0, n)
     return _product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
 
 

@@ -104,7 +104,9 @@ def quantize_rows(t: Tensor, fmt: str = "e4m3") -> tuple[Tensor, Tensor]:
     fmax = torch.finfo(dtype).max
     t32 = t.float()
     amax = t32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    # A tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor, which
+    # is not the IEEE quotient (one ulp off for some rows); tensor / tensor divides on every device.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fmax), torch.ones_like(amax))
     q = (t32 / scale).clamp(-fmax, fmax).to(dtype)
     return q, scale
 

@@ -159,6 +159,9 @@ def _chunked_linear_cross_entropy(
                 d_weight.add_(logits.t() @ h_chunk)
         if d_bias is not None:
             d_bias.add_(logits.sum(0, dtype=acc_dtype))
+        # Let this chunk's logits go before the next chunk's are made: two chunks would otherwise
+        # be alive at once, while ``logits`` is rebound.
+        del logits, rows
 
     if reduction == "sum":
         grad_scale = torch.ones((), dtype=acc_dtype, device=device)
@@ -275,7 +278,8 @@ def _scaled(d_input: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
         return (d_input.to(scale.dtype) * scale).to(dtype)
     out = torch.empty(d_input.shape, dtype=dtype, device=d_input.device)
     for start in range(0, d_input.shape[0], _SCALE_ROWS):
-        out[start : start + _SCALE_ROWS] = d_input[start : start + _SCALE_ROWS].to(scale.dtype) * scale
+        part = d_input[start : start + _SCALE_ROWS].to(scale.dtype)
+        out[start : start + _SCALE_ROWS] = part.mul_(scale)  # one float32 slice at a time
     return out
 
 

@@ -266,7 +266,9 @@ def _lora_4bit_op(
     out_features, in_features = lora_b.shape[0], x.shape[-1]
     rows = x.reshape(-1, in_features)
     xa = rows @ lora_a.t()
-    if use_fused(x, rows.shape[0], in_features):
+    if rows.shape[0] == 0:  # nothing to multiply: no weight decoded, no buffer made
+        y = rows.new_zeros(0, out_features)
+    elif use_fused(x, rows.shape[0], in_features):
         y = _gemm_kernels.matmul_4bit(rows.contiguous(), packed, absmax, code, blocksize, out_features)
     else:
         weight = dequantize_4bit_into(
@@ -305,7 +307,9 @@ def _lora_4bit_backward_op(
     rows = x.reshape(-1, x.shape[-1])
     g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
     dx = x.new_empty(0)
-    if grad_x and use_fused(x, dy.shape[0], x.shape[-1]):
+    if grad_x and dy.shape[0] == 0:
+        dx = x.new_zeros(0, x.shape[-1])
+    elif grad_x and use_fused(x, dy.shape[0], x.shape[-1]):
         dx = _gemm_kernels.matmul_4bit_t(dy.contiguous(), packed, absmax, code, blocksize, x.shape[-1])
     elif grad_x:
         weight = _scratch(lora_b.shape[0], x.shape[-1], x.dtype, x.device)

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _bf16_parity import assert_as_close_as_transformers_bf16, document_loss
 from _families import CASES, VOCAB, tiny
 from _models import packed_batch, random_documents
 
@@ -29,26 +29,6 @@ OVERRIDES = {
 }
 
 
-def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
-
-def assert_close_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
-    """bf16 against bf16 through other kernels: every weight matrix's gradient within 5% (relative
-    norm), and all gradients together within 3%."""
-    ref = dict(reference.named_parameters())
-    ours, theirs = [], []
-    for name, param in model.named_parameters():
-        if param.grad is None or ref[name].grad is None:
-            assert param.grad is None and ref[name].grad is None, name
-            continue
-        ours.append(param.grad.float().flatten())
-        theirs.append(ref[name].grad.float().flatten())
-        if param.dim() >= 2 and ref[name].grad.norm() > 0:
-            assert rel(param.grad, ref[name].grad) < 5e-2, name
-    assert rel(torch.cat(ours), torch.cat(theirs)) < 3e-2
-
-
 @pytest.mark.parametrize("model_type", ["phi3", "gemma4_text", "granite", "llama4_text", "olmo2", "olmo3"])
 def test_packed_row_equals_each_document_alone_bf16(model_type):
     reference = tiny(model_type, **WIDE, **OVERRIDES.get(model_type, {})).cuda().to(torch.bfloat16)
@@ -57,14 +37,12 @@ def test_packed_row_equals_each_document_alone_bf16(model_type):
     assert {op: n for op, n in report.counts.items() if n} == CASES[model_type][2]
     docs = random_documents([700, 1, 65, 300, 129], seed=4, vocab=VOCAB)
     batch = packed_batch(docs).to("cuda")
+    truth = copy.deepcopy(reference).float()
     loss = model(**batch.model_inputs(), labels=batch.labels).loss
     loss.backward()
-    total = 0.0
-    for doc in docs:
-        tokens = torch.tensor([doc], device="cuda")
-        logits = reference(input_ids=tokens).logits[0].float()
-        total = total + F.cross_entropy(logits[:-1], tokens[0, 1:], reduction="sum")
-    ref_loss = total / batch.num_target_tokens
+    ref_loss = document_loss(reference, docs, batch.num_target_tokens)
     ref_loss.backward()
-    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
-    assert_close_gradients(model, reference)
+    true_loss = document_loss(truth, docs, batch.num_target_tokens)
+    true_loss.backward()
+    assert abs(loss.item() - true_loss.item()) / true_loss.item() < 1e-2
+    assert_as_close_as_transformers_bf16(model, reference, truth)
