@@ -20,11 +20,17 @@ SHAPES = [(2048, 4096, 4096), (1000, 4096, 1024), (333, 2048, 8192)]
 
 
 def _close_to_emulation(actual, emulated):
-    """Both are float32 sums of the same FP8 products rounded once to bf16: they differ by the
-    accumulation order (far below bf16's ulp) and at most one bf16 rounding step."""
-    scale = emulated.float().abs() + emulated.float().abs().mean() * 1e-2
-    error = (actual.float() - emulated.float()).abs()
-    assert (error <= scale * 2.0**-7).all(), float((error / scale).max())
+    """Both are sums of the same FP8 products rounded to bf16, but Hopper's FP8 tensor cores add with
+    a narrower accumulator than float32 (measured: up to 7e-4 of the output's mean magnitude on
+    K = 4096, where the emulation's float32 sum is exact to 1e-7). So each element may differ by one
+    bf16 rounding step of its value plus 2^-8 of the mean magnitude, and the whole by 2^-7 (relative
+    norm). A wrong scale, format or layout lands far outside; the codes themselves are checked bit
+    for bit against the reference by the quantisation tests."""
+    expected, got = emulated.float(), actual.float()
+    error = (got - expected).abs()
+    bound = expected.abs() * 2.0**-7 + expected.abs().mean() * 2.0**-8
+    assert (error <= bound).all(), float((error / bound).max())
+    assert (error.norm() / expected.norm()).item() < 2.0**-7
 
 
 @pytest.mark.parametrize(("tokens", "k", "n"), SHAPES)
@@ -128,6 +134,8 @@ def test_short_loss_curve_of_fp8_bases_follows_bf16():
     assert sum(isinstance(m, LinearFP8) for m in model.modules()) == 4 * 7
     tail = 20
     final_bf16, final_fp8 = sum(bf16[-tail:]) / tail, sum(fp8[-tail:]) / tail
-    print(f"first {bf16[0]:.4f} / {fp8[0]:.4f}, last {tail} mean {final_bf16:.4f} / {final_fp8:.4f} (bf16 / fp8)")
+    print(
+        f"first {bf16[0]:.4f} / {fp8[0]:.4f}, last {tail} mean {final_bf16:.4f} / {final_fp8:.4f} (bf16 / fp8)"
+    )
     assert final_bf16 < bf16[0] * 0.9 and final_fp8 < fp8[0] * 0.9  # both learn (LoRA on a random base)
     assert abs(final_fp8 / final_bf16 - 1) < 0.02, (final_bf16, final_fp8)
