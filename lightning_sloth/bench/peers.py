@@ -25,6 +25,8 @@ from lightning_sloth.bench.workload import (
     quantized_base_model,
 )
 from lightning_sloth.data import build_char_tokenizer
+from lightning_sloth.linear_attention.fla_hopper import register_hopper_backend
+from lightning_sloth.linear_attention.fla_kernels import fla_available
 from lightning_sloth.quant import Linear4bit
 
 PER_LAYER_ATTENTION = "sloth_per_layer"
@@ -34,6 +36,11 @@ def peft_varlen(workload: Workload):
     """transformers + PEFT with its own checkpointing; only the attention is our packed one."""
     model = build_model(workload, "sdpa")
     enable_packed_attention(model)
+    kinds = getattr(getattr(model, "config", None), "layer_types", None) or ()
+    if "linear_attention" in kinds and fla_available():
+        # transformers runs these layers on fla too; on Hopper with Triton 3.4-3.7.0 fla refuses the
+        # gated backward unless a backend serves it: the same wide-tile one as ours.
+        register_hopper_backend()
     return model
 
 
