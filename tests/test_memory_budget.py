@@ -62,6 +62,23 @@ def test_loss_writes_hidden_gradient_into_one_buffer_and_no_full_vocab_float32()
     torch.testing.assert_close(d_hidden * scale, hidden.grad)
 
 
+def test_loss_backward_makes_one_hidden_gradient_and_no_zeros():
+    """The backward of the fused loss makes hidden's gradient once ([N, H]), scaled a float32 slice at
+    a time, and no zero gradients for its non-differentiable outputs (one of them is [N, H])."""
+    n, h, v = 20000, 8, 40
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.bfloat16)
+    loss = linear_cross_entropy(hidden, weight, torch.randint(0, v, (n,)), chunk_size=4096)
+    with _Outputs() as outputs:
+        loss.backward()
+    big = [(op, shape, dtype) for op, shape, dtype in outputs.made if shape and shape[0] >= 8192]
+    made = [entry for entry in big if not entry[0].startswith(("aten.slice", "aten.view", "aten.detach"))]
+    assert not any(op.startswith(("aten.zeros", "aten.zero_", "aten.fill")) for op, _, _ in made), made
+    assert sum(shape == (n, h) for _, shape, _ in made) == 1, made
+    assert all(shape[0] <= 8192 for _, shape, dtype in made if dtype == torch.float32), made
+
+
 def test_loss_chunk_bytes_bounds_one_chunk():
     assert chunk_size_for_bytes(128256, 2**28, torch.bfloat16) == 1024
     assert chunk_size_for_bytes(128256, 2**28, torch.float32) == 512

@@ -245,12 +245,16 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, bias = inputs[:3]
     _, d_hidden, d_weight, d_bias, grad_scale = output
     ctx.mark_non_differentiable(d_hidden, d_weight, d_bias, grad_scale)
+    # No zero gradients made for those four outputs in the backward (one would be [N, H]).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(d_hidden, d_weight, d_bias, grad_scale)
     ctx.dtypes = tuple(t.dtype if t is not None else None for t in (hidden, weight, bias))
     ctx.computed = inputs[-3:]
 
 
 def _backward(ctx, grad_loss, *_unused):
+    if grad_loss is None:  # the loss was not used
+        return (None,) * 12
     *saved, grad_scale = ctx.saved_tensors
     # The scale is applied in fp32: rounding it to bf16 first would bias the whole gradient.
     scale = grad_loss.to(grad_scale.dtype) * grad_scale
@@ -280,6 +284,7 @@ def _scaled(d_input: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     for start in range(0, d_input.shape[0], _SCALE_ROWS):
         part = d_input[start : start + _SCALE_ROWS].to(scale.dtype)
         out[start : start + _SCALE_ROWS] = part.mul_(scale)  # one float32 slice at a time
+        del part
     return out
 
 

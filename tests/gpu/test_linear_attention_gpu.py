@@ -68,8 +68,13 @@ def test_delta_rule_packed_equals_each_document_alone_bf16():
         alone = packed_gated_delta_rule(*part, use_qk_l2norm=True)
         assert rel(out[:, start : start + n], alone) < 1e-2, n
         alone_grads = torch.autograd.grad(alone, part, grad[:, start : start + n])
-        for packed_grad, alone_grad in zip(packed_grads, alone_grads):
-            assert rel(packed_grad[:, start : start + n], alone_grad) < 2e-2, n
+        for name, packed_grad, alone_grad in zip(["q", "k", "v", "g", "beta"], packed_grads, alone_grads):
+            # Relative to the document's gradient, or to its share of the row's where that is ~0: a
+            # document's first gate multiplies the zero initial state, so a one-token document's gate
+            # gradient is 0 in exact arithmetic and rounding noise in both runs.
+            share = packed_grad.float().norm() * (n / sum(LENGTHS)) ** 0.5
+            error = (packed_grad[:, start : start + n].float() - alone_grad.float()).norm()
+            assert error <= 2e-2 * max(alone_grad.float().norm(), share), (n, name)
         # the float32 plain-torch reference of the same document
         expected = gated_delta_rule_reference(*(t.detach().float() for t in part), use_qk_l2norm=True)
         assert rel(alone, expected) < 1e-2, n
