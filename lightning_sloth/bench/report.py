@@ -38,6 +38,7 @@ from lightning_sloth.bench.headline import plot_headline, render_families, rende
 from lightning_sloth.bench.tables import (
     merged_results,
     render_compact,
+    render_fp8_gemm,
     render_fsdp,
     render_kernels,
     render_moe_layer,
@@ -244,6 +245,7 @@ RENDERERS = {
     "moe_layer": render_moe_layer,
     "kernels": render_kernels,
     "offload": render_offload,
+    "fp8_gemm": render_fp8_gemm,
     "headline": render_headline,
     "families": render_families,
 }

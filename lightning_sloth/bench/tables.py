@@ -80,12 +80,12 @@ def md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def suite_row(record: dict, baseline: float | None) -> list[str]:
+def suite_row(record: dict, baseline: float | None, cold: bool = False) -> list[str]:
     state = status(record)
     label = md_cell(system_label(record))
     if state != "ok":
         reason = record.get("reason") or record.get("error") or ""
-        return [label, f"**{state}**: {md_cell(reason[:120])}"] + [DASH] * (6 if baseline else 5)
+        return [label, f"**{state}**: {md_cell(reason[:120])}"] + [DASH] * (5 + bool(baseline) + cold)
     tps = tokens_per_s(record)
     spread = DASH
     if "tokens_per_s_min" in record:
@@ -93,6 +93,9 @@ def suite_row(record: dict, baseline: float | None) -> list[str]:
     cells = [label, f"{tps:,.0f}", spread]
     if baseline:
         cells.append(f"{tps / baseline:.2f}×")
+    if cold:  # the same system first in a fresh process with empty compile caches
+        cold_tps, ratio = record.get("cold_tokens_per_s_median"), record.get("cold_vs_warm")
+        cells.append(f"{cold_tps:,.0f} ({ratio:.1%})" if cold_tps and ratio else DASH)
     cells.append(
         f"{num(record.get('peak_allocated_gib'), '.2f')} / {num(record.get('peak_reserved_gib'), '.2f')}"
     )
@@ -148,9 +151,12 @@ def render_table(reports: list[dict], sources: list[str], baseline_system: str |
     if baseline_system:
         base = next((r for r in rows if r["system"] == baseline_system and status(r) == "ok"), None)
         baseline = tokens_per_s(base) if base else None
+    cold = any("cold_tokens_per_s_median" in r for r in rows)
     header = ["system", "real tokens/s", "min – max over steps"]
     if baseline:
         header.append(f"vs `{baseline_system}`")
+    if cold:
+        header.append("cold process: tokens/s (of warm)")
     header += [
         "peak allocated / reserved GiB",
         "MFU measured / datasheet",
@@ -159,7 +165,7 @@ def render_table(reports: list[dict], sources: list[str], baseline_system: str |
     ]
     align = ["---"] + ["---:"] * (len(header) - 1)
     lines = [caption(reports, sources), "", "| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(suite_row(r, baseline)) + " |" for r in rows]
+    lines += ["| " + " | ".join(suite_row(r, baseline, cold)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -353,6 +359,43 @@ def render_kernels(reports: list[dict], sources: list[str], params: dict) -> str
     copy = reports[-1].get("copy_bandwidth_gbps")
     steps = f"copy bandwidth measured {copy / 1000:.2f} TB/s" if copy else ""
     return env_caption(reports, sources, steps) + "\n\n" + "\n".join(lines) + "\n"
+
+
+FP8_GEMM_SYSTEMS = {
+    "bf16": "bf16",
+    "fp8_e4m3": "FP8, e4m3 gradient",
+    "fp8_e5m2": "FP8, e5m2 gradient",
+    "fp8_bf16grad": "FP8, bf16 gradient",
+    "nf4": "NF4",
+    "nf4_fp8_e4m3": "NF4 storage, FP8 compute",
+}
+
+
+def render_fp8_gemm(reports: list[dict], sources: list[str], params: dict) -> str:
+    """One projection (``benchmarks/fp8_gemm_bench.py``): forward + input-gradient ms and the error of
+    ``y`` against float64 for each base format, bf16 first, per ``(in, out, tokens)`` shape."""
+    report = reports[-1]
+    header = ["in → out, tokens"] + [
+        f"{title}: fwd+bwd ms (× bf16), y error" for title in FP8_GEMM_SYSTEMS.values()
+    ]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for shape in report["shapes"]:
+        systems = shape["systems"]
+        base = systems.get("bf16", {}).get("forward_backward_ms")
+        cells = []
+        for key in FP8_GEMM_SYSTEMS:
+            r = systems.get(key)
+            if not r or r.get("forward_backward_ms") is None:
+                cells.append(DASH)
+                continue
+            speed = f" ({base / r['forward_backward_ms']:.2f}×)" if base else ""
+            cells.append(f"{r['forward_backward_ms']:.3f}{speed}, {r['y_error']:.3f}")
+        lines.append(f"| {shape['in']} → {shape['out']}, {shape['tokens']:,} | " + " | ".join(cells) + " |")
+    caption = (
+        f"Generated from {', '.join(f'`{s}`' for s in sources)}: {report.get('device', '?')}, "
+        f"torch {report.get('torch', '?')}; error: relative norm of ``y`` against float64."
+    )
+    return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
 OFFLOAD_SETUPS = {
