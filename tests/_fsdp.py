@@ -148,6 +148,18 @@ def _op_spy(names: tuple[str, ...]) -> dict[str, int]:
     return counts
 
 
+def _progress(line: str) -> None:
+    """Append ``line`` (with the rank and the time) to ``$SLOTH_TEST_PROGRESS`` if set: the multi-GPU
+    scenarios run in spawned processes whose output pytest keeps until the test ends, so a run cut
+    off by a time limit would otherwise say nothing of where it was."""
+    path = os.environ.get("SLOTH_TEST_PROGRESS")
+    if path:
+        import time
+
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} rank {os.environ.get('RANK', '?')}: {line}\n")
+
+
 def fit(
     family: str,
     lora: bool,
@@ -218,7 +230,11 @@ def fit(
         enable_model_summary=False,
         default_root_dir=ckpt_dir or os.getcwd(),
     )
+    _progress(
+        f"fit {strategy} {family} lora={lora} {precision} kernels={kernels} offload={offload} quantize={quantize}"
+    )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    _progress("  done")
     recorder.grad_norm = callbacks[1].last_grad_norm
     recorder.strategy_report = list(trainer.strategy.sloth_report.applied)
     recorder.shard_stats = getattr(trainer.strategy, "shard_stats", None)
