@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,14 @@ def _worker(rank: int, port: int, device_type: str, offload: bool, results, worl
             optimizer.zero_grad(set_to_none=True)
         state = {n: p.detach().cpu() for n, p in model.named_parameters()}
         results[(offload, rank)] = (state, offloader.stats() if offloader is not None else {})
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Leave at once: destroy_process_group() could wait for a peer inside a collective (NCCL).
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def run(device_type: str, world: int = WORLD) -> dict:

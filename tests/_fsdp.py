@@ -10,6 +10,7 @@ slow part on a CPU).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -280,9 +281,18 @@ def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results, w
     torch.set_num_threads(1)
     try:
         results[local_rank] = scenario(Path(tmp))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    except BaseException:
+        # A failed rank leaves at once, without destroy_process_group(): with NCCL that call can wait
+        # for peers still inside a collective, and every rank would then wait for the collective
+        # timeout. Its exit makes the launcher stop the others and raise.
+        import traceback
+
+        _progress("failed:\n" + traceback.format_exc())
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def run(scenario: Callable[[Path], dict], tmp: Path, world: int = WORLD) -> dict[int, dict]:
@@ -382,6 +392,10 @@ def parity_and_resume(tmp: Path) -> dict:
     them, the ops spied on), then a run of two epochs and one resumed from its first epoch's
     sharded checkpoint."""
     out: dict = {}
+    # Saved before the first fit: once a process group exists, transformers (5.2x) writes
+    # save_pretrained's files on global rank 0 only, and the other ranks' directories stay empty.
+    checkpoint = tmp / f"checkpoint_{os.environ['RANK']}"
+    tiny_model("qwen3_moe", len(build_char_tokenizer()), hidden=256).save_pretrained(checkpoint)
     ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
     for family, lora, kernels in PARITY_CASES:
         recorder = fit(family, lora, kernels=kernels, export_dir=tmp / f"export_{family}_{lora}")
@@ -528,6 +542,10 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
     samples a rank's only batch can be 320 tokens, a 640 KiB layer input that stays below the
     offloader's 1 MiB threshold (nothing offloaded on that rank, as designed)."""
     out: dict = {}
+    # Saved before the first fit: once a process group exists, transformers (5.2x) writes
+    # save_pretrained's files on global rank 0 only, and the other ranks' directories stay empty.
+    checkpoint = tmp / f"checkpoint_{os.environ['RANK']}"
+    tiny_model("qwen3_moe", len(build_char_tokenizer()), hidden=256).save_pretrained(checkpoint)
     ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
     for lora in (True, False):
         recorder = fit("llama", lora, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256)
@@ -537,8 +555,6 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
     recorder = fit("qwen3_moe", True, **moe)
     out["moe_nf4"] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
     # The same model built on the meta device, each rank quantising its shards from a checkpoint.
-    checkpoint = tmp / f"checkpoint_{os.environ['RANK']}"
-    tiny_model("qwen3_moe", len(build_char_tokenizer()), hidden=256).save_pretrained(checkpoint)
     recorder = fit("qwen3_moe", True, meta_weights=str(checkpoint), **moe)
     out["meta_moe_nf4"] = {
         "steps": recorder.steps,
