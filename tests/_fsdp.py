@@ -392,10 +392,6 @@ def parity_and_resume(tmp: Path) -> dict:
     them, the ops spied on), then a run of two epochs and one resumed from its first epoch's
     sharded checkpoint."""
     out: dict = {}
-    # Saved before the first fit: once a process group exists, transformers (5.2x) writes
-    # save_pretrained's files on global rank 0 only, and the other ranks' directories stay empty.
-    checkpoint = tmp / f"checkpoint_{os.environ['RANK']}"
-    tiny_model("qwen3_moe", len(build_char_tokenizer()), hidden=256).save_pretrained(checkpoint)
     ops = _op_spy(("rms_norm", "linear_cross_entropy", "fused_lora_forward"))
     for family, lora, kernels in PARITY_CASES:
         recorder = fit(family, lora, kernels=kernels, export_dir=tmp / f"export_{family}_{lora}")
@@ -542,7 +538,7 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
     samples a rank's only batch can be 320 tokens, a 640 KiB layer input that stays below the
     offloader's 1 MiB threshold (nothing offloaded on that rank, as designed)."""
     out: dict = {}
-    # Saved before the first fit: once a process group exists, transformers (5.2x) writes
+    # Saved before the first fit: once a process group exists, transformers (5.17+) writes
     # save_pretrained's files on global rank 0 only, and the other ranks' directories stay empty.
     checkpoint = tmp / f"checkpoint_{os.environ['RANK']}"
     tiny_model("qwen3_moe", len(build_char_tokenizer()), hidden=256).save_pretrained(checkpoint)
