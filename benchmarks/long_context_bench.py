@@ -25,7 +25,7 @@ next call's ``--low``/``--high``::
     python benchmarks/long_context_bench.py bisect --shape llama_3_1_8b --low 262144 --high 524288 \\
         --step 16384 --max-seconds 540
 
-Shapes: those of ``lightning_sloth.bench.workload.SHAPES`` and ``llama_3_1_70b`` (defined here).
+Shapes: those of ``lightning_sloth.bench.workload.SHAPES`` (``llama_3_1_70b`` among them).
 """
 
 from __future__ import annotations
@@ -44,19 +44,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_accounting, probes/
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-EXTRA_SHAPES = {
-    "llama_3_1_70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
-}
 EXIT_OOM = 3
 
 
@@ -65,16 +52,10 @@ def out_dir() -> Path:
 
 
 def config_of(shape: str):
-    from transformers import AutoConfig
-
     from lightning_sloth.bench.workload import SHAPES, shape_config
 
-    if shape in EXTRA_SHAPES:
-        return AutoConfig.for_model(
-            "llama", **EXTRA_SHAPES[shape], attn_implementation="sdpa", use_cache=False
-        )
     if shape not in SHAPES:
-        raise SystemExit(f"unknown shape {shape!r}: one of {sorted([*SHAPES, *EXTRA_SHAPES])}")
+        raise SystemExit(f"unknown shape {shape!r}: one of {sorted(SHAPES)}")
     return shape_config(shape)
 
 
