@@ -157,9 +157,10 @@ def test_each_absent_op_is_said_in_the_report_line(caplog):
 
 
 def test_qlora_trains_a_new_dense_family_through_the_trainer():
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from _trainer import fit_recording_losses
+    from lightning.pytorch import seed_everything
 
-    from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
+    from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
     from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
     from lightning_sloth.hf_model import find_hf_model
     from lightning_sloth.quant import Linear4bit
@@ -169,24 +170,7 @@ def test_qlora_trains_a_new_dense_family_through_the_trainer():
     model = tiny("olmo2", vocab_size=len(tokenizer), initializer_range=0.02)
     data = PackedDataModule(tokenizer, train=SyntheticTask(64, seed=1), max_tokens=256)
     module = CausalLMModule(model, lora=LoraSettings(r=8), optimizer=OptimizerSettings(lr=2e-2))
-    losses = []
-
-    class Losses(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = Trainer(
-        plugins=[SlothPrecision("32-true", quantize="nf4")],
-        strategy=SlothStrategy(kernels=True),
-        max_steps=8,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Losses()],
-    )
-    trainer.fit(module, datamodule=data)
+    losses = fit_recording_losses(module, data, SlothPrecision("32-true", quantize="nf4"), max_steps=8)
     hf = find_hf_model(module)
     assert sum(isinstance(m, Linear4bit) for m in hf.modules()) == 14  # 7 projections x 2 layers
     assert forwards.patched_op(hf.model.layers[0].self_attn.q_norm) == "rms_norm"

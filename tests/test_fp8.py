@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 from _models import add_lora, packed_batch, random_documents, tiny_llama
-from lightning.pytorch import Callback, Trainer, seed_everything
+from _trainer import fit_recording_losses
+from lightning.pytorch import seed_everything
 from torch import nn
 
-from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
+from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad
@@ -233,24 +234,7 @@ def _fit(precision):
     seed_everything(0)
     data = PackedDataModule(build_char_tokenizer(), train=SyntheticTask(64, seed=1), max_tokens=256)
     module = CausalLMModule(tiny_llama(), lora=LoraSettings(r=8), optimizer=OptimizerSettings(lr=2e-2))
-    losses = []
-
-    class Record(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = Trainer(
-        plugins=[precision],
-        strategy=SlothStrategy(kernels=True),
-        max_steps=8,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Record()],
-    )
-    trainer.fit(module, datamodule=data)
+    losses = fit_recording_losses(module, data, precision, max_steps=8)
     return module, losses
 
 

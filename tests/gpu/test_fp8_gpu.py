@@ -4,9 +4,10 @@ short loss curve of LoRA over FP8 bases against bf16 bases (``Trainer`` + ``Slot
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from _trainer import fit_recording_losses
+from lightning.pytorch import seed_everything
 
-from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
+from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.ops.fp8 import linear_fp8, scaled_mm_applies
@@ -98,14 +99,6 @@ def test_opcheck_and_compile_on_cuda():
     torch.testing.assert_close(compiled(x), linear_fp8(x, codes, scale), rtol=2**-7, atol=1e-3)
 
 
-class _Losses(Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def _curve(**fp8):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,14 +111,10 @@ def _curve(**fp8):
     model = LlamaForCausalLM(config)
     data = PackedDataModule(tokenizer, train=SyntheticTask(4000, seed=1), max_tokens=4096)
     module = CausalLMModule(model, lora=LoraSettings(r=16), optimizer=OptimizerSettings(lr=3e-3))
-    record = _Losses()
-    trainer = Trainer(
-        accelerator="gpu", devices=1, plugins=[SlothPrecision("bf16-mixed", **fp8)],
-        strategy=SlothStrategy(kernels=True), max_steps=120, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
-    )  # fmt: skip
-    trainer.fit(module, datamodule=data)
-    return find_hf_model(module), record.losses
+    losses = fit_recording_losses(
+        module, data, SlothPrecision("bf16-mixed", **fp8), max_steps=120, accelerator="gpu", devices=1
+    )
+    return find_hf_model(module), losses
 
 
 def test_short_loss_curve_of_fp8_bases_follows_bf16():
