@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_sloth.quant.linear import compute_dtype
+
 __all__ = [
     "MLP_CHUNK_BYTES",
     "chunk_size_for",
@@ -107,10 +109,7 @@ def chunk_size_for(mlp: nn.Module, x: Tensor) -> int | None:
         intermediate = _intermediate_size(mlp)
         if intermediate is None:
             return None
-        device = x.device.type
-        autocast = device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-        per_row = 3 * intermediate * torch.empty((), dtype=dtype).element_size()
+        per_row = 3 * intermediate * compute_dtype(x).itemsize
         size = max(1024, MLP_CHUNK_BYTES // per_row // 1024 * 1024)
     else:
         size = setting
@@ -124,10 +123,7 @@ def chunk_workspace_bytes(mlp: nn.Module, x: Tensor) -> int:
     size, intermediate = chunk_size_for(mlp, x), _intermediate_size(mlp)
     if size is None or intermediate is None:
         return 0
-    device = x.device.type
-    autocast = device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-    return 3 * size * intermediate * torch.empty((), dtype=dtype).element_size()
+    return 3 * size * intermediate * compute_dtype(x).itemsize
 
 
 def chunked_rows(
