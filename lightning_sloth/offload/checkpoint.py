@@ -52,6 +52,7 @@ from lightning_sloth.ops.nf4 import scratch_bytes
 from lightning_sloth.patching import layer_output_unread, patched_op
 from lightning_sloth.patching.mlp_chunks import chunk_workspace_bytes
 from lightning_sloth.quant import Linear4bit
+from lightning_sloth.quant.linear import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -410,9 +411,7 @@ class CheckpointedLayers:
         tensor = next(iter(_tensors(args)), None)
         if not sizes or tensor is None:
             return 0
-        device = tensor.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
-        return max(sizes) * torch.empty((), dtype=dtype).element_size()
+        return max(sizes) * compute_dtype(tensor).itemsize
 
     def _chunk_workspace(self, args: tuple) -> int:
         """One token chunk's MLP intermediates (the measured activations of a chunked MLP are its
