@@ -363,13 +363,15 @@ def check_checkpoint_quantization(model: nn.Module, state_dict: dict[str, Any]) 
 
 @torch.no_grad()
 def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Undo the 4-bit (or FP8) storage of ``model`` in place: dense frozen weights for merging and export.
+    """Undo the 4-bit (or FP8) storage of ``model`` in place: dense frozen weights for merging and
+    export.
 
     Every :class:`Linear4bit`, bitsandbytes ``Linear4bit`` and FP8 ``LinearFP8`` (codes times
-    scales) becomes an ``nn.Linear`` and every 4-bit MoE expert weight a dense 3-D parameter. Weights are decoded exactly as training decoded
-    them, ``code[q] * absmax`` in float32 (double-quantised scales first), then rounded once to
-    ``dtype``: in float32 that is the exact value whose rounding the 16-bit compute used. PEFT
-    wrappers stay around the new layers, so ``merge_and_unload`` then merges LoRA into them.
+    scales) becomes an ``nn.Linear`` and every 4-bit MoE expert weight a dense 3-D parameter.
+    Weights are decoded exactly as training decoded them, ``code[q] * absmax`` in float32
+    (double-quantised scales first), then rounded once to ``dtype``: in float32 that is the exact
+    value whose rounding the 16-bit compute used. PEFT wrappers stay around the new layers, so
+    ``merge_and_unload`` then merges LoRA into them.
 
     Returns:
         The qualified names converted (experts as ``<module>.<weight>``); empty for a dense model.
