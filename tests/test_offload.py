@@ -464,6 +464,7 @@ def test_single_process_ddp(impl):
     inputs = batch()
     plain = step_grads(tiny_llama(), inputs)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", world_size=1, rank=0)
+    ddp = None
     try:
         model = tiny_llama()
         apply_checkpointing(model, offloader=cpu_offloader(), checkpoint_impl=impl)
@@ -473,6 +474,9 @@ def test_single_process_ddp(impl):
             ddp(**inputs).loss.backward()
             assert_bitwise({n: p.grad for n, p in model.named_parameters()}, plain)
     finally:
+        # The reducer (holding the group) goes first: freed after destroy_process_group(), its last
+        # reference to the gloo group joined the group's threads from the test and could hang.
+        del ddp
         dist.destroy_process_group()
 
 
