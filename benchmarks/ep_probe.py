@@ -115,6 +115,13 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _collective_figures(ranks: list[dict]) -> tuple[dict, dict]:
+    """Each collective's median time (the slowest rank's: it sets the pace) and its bytes, by name."""
+    timed = {k: max(r[k] for r in ranks) for k in ranks[-1] if "_ms" in k}
+    sizes = {k: ranks[0][k] for k in ranks[0] if "_bytes" in k}
+    return timed, sizes
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=4)
@@ -135,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
             _worker, args=(args.gpus, _free_port(), args, out_dir), nprocs=args.gpus, start_method="spawn"
         )
         ranks = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(args.gpus)]
-    # The slowest rank sets the pace of a collective.
-    timed = {k: max(r[k] for r in ranks) for k in ranks[1] if k.endswith("_ms")}
-    sizes = {k: ranks[0][k] for k in ranks[0] if k.endswith("_bytes")}
+    timed, sizes = _collective_figures(ranks)
     compute_ms = ranks[0]["moe_block_fwd_bwd_ms"]
     fsdp_ms = 2 * timed["all_gather_ms"]
     fsdp_added = max(0.0, fsdp_ms - compute_ms)  # prefetched under at least this much compute
