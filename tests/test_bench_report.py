@@ -131,6 +131,17 @@ def _project(tmp_path: Path) -> tuple[Path, list[str]]:
     return results, ["--results", str(results), "--readme", str(tmp_path / "README.md"), "--no-plots"]
 
 
+def test_ep_probe_rows_name_the_cheaper_side_at_each_fan_out():
+    report = json.loads((RESULTS / "ep_probe_h200x4.json").read_text())
+    table = bench_tables.render_ep_probe([report], ["ep_probe_h200x4.json"], {})
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {c}" for c in report["expert_parallel"]]
+    for row, verdict in zip(rows, report["expert_parallel"].values()):
+        cells = row.strip("| ").split(" | ")
+        assert float(cells[2]) == pytest.approx(verdict["ep_ms_per_layer_step"], abs=1e-3)
+        assert cells[5] == ("expert parallelism" if verdict["ep_wins_on_communication"] else "FSDP2")
+
+
 def test_report_rewrites_the_readme_and_every_doc_and_check_names_the_stale_one(tmp_path, capsys):
     results, args = _project(tmp_path)
     assert bench_report.main([*args, "--check"]) == 1

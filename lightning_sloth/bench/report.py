@@ -12,7 +12,7 @@ generated, never typed::
     <!-- /bench:NAME -->
 
 ``kind`` picks the renderer: ``suite`` (default: files of the suite and of the argparse harness),
-``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``moe_layer``, ``kernels``, ``offload``,
+``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``ep_probe``, ``moe_layer``, ``kernels``, ``offload``,
 ``headline`` (several scenarios, one row each, chosen systems as columns, with a plot) and
 ``families`` (the supported-models table from ``lightning_sloth.patching.families`` and the tests
 that name each family; no result files).
@@ -38,6 +38,7 @@ from lightning_sloth.bench.headline import plot_headline, render_families, rende
 from lightning_sloth.bench.tables import (
     merged_results,
     render_compact,
+    render_ep_probe,
     render_fp8_gemm,
     render_fsdp,
     render_kernels,
@@ -246,6 +247,7 @@ RENDERERS = {
     "kernels": render_kernels,
     "offload": render_offload,
     "fp8_gemm": render_fp8_gemm,
+    "ep_probe": render_ep_probe,
     "headline": render_headline,
     "families": render_families,
 }

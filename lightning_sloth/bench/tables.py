@@ -398,6 +398,36 @@ def render_fp8_gemm(reports: list[dict], sources: list[str], params: dict) -> st
     return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
+def render_ep_probe(reports: list[dict], sources: list[str], params: dict) -> str:
+    """Expert parallelism against FSDP2 of the experts (``benchmarks/ep_probe.py``): per MoE layer and
+    step, FSDP2's two all-gathers of the layer's experts beside the six all-to-alls of expert
+    parallelism at each routing fan-out, and the layer's compute the gathers hide under."""
+    report = reports[-1]
+    timed = report["median_ms"]
+    fsdp, hidden = report["fsdp2_ms_per_layer_step"], report["moe_block_fwd_bwd_ms"]
+    lines = [
+        "| tokens sent per token | all-to-all ms | expert parallelism ms per layer step | "
+        "FSDP2 all-gathers ms per layer step | layer forward + backward ms | cheaper in communication | "
+        "adds less to a step |",
+        "| ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for copies, verdict in report["expert_parallel"].items():
+        lines.append(
+            f"| {copies} | {timed[f'all_to_all_ms_copies_{copies}']:.3f} | {verdict['ep_ms_per_layer_step']:.3f} | "
+            f"{fsdp:.3f} | {hidden:.3f} | {'expert parallelism' if verdict['ep_wins_on_communication'] else 'FSDP2'} | "
+            f"{'expert parallelism' if verdict['ep_adds_less_to_a_step'] else 'FSDP2'} |"
+        )
+    env, settings = report.get("environment", {}), report.get("settings", {})
+    caption = (
+        f"Generated from {', '.join(f'`{s}`' for s in sources)}: {env.get('gpus', '?')} × "
+        f"{env.get('device', '?')}, torch {env.get('torch', '?')}; {settings.get('tokens', 0):,} tokens per "
+        f"rank, {settings.get('experts', '?')} experts of {settings.get('hidden', '?')} → "
+        f"{settings.get('moe_intermediate', '?')}, bf16. FSDP2's gathers of a layer are prefetched under "
+        f"the previous layer's compute; the all-to-alls of expert parallelism are not."
+    )
+    return caption + "\n\n" + "\n".join(lines) + "\n"
+
+
 OFFLOAD_SETUPS = {
     "none": "(a) no checkpointing",
     "checkpoint": "(b) plain checkpointing",
