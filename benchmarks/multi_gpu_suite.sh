@@ -4,8 +4,11 @@
 # transformers + PEFT + FSDP2 with grouped_mm experts) and of the Llama-3.1-70B shape in NF4 (QLoRA,
 # each rank quantising its own shards). JSON and logs go to $OUT. Every part has a time cap and the
 # whole run ends within BUDGET seconds (default 530); a part cut short says so in its log.
-# PARTS picks parts (default tests,ep,30b,70b,stock), e.g. to run the rest of a cut run:
-#   OUT=/tmp/out bash benchmarks/multi_gpu_suite.sh
+# PARTS picks parts (default tests,ep,30b,70b,stock). On four H200s the tests alone take about eight
+# minutes (each app run spawns its ranks one after the other, every one importing the stack),
+# ep + 30b + 70b about five and stock about four, so within 10-minute calls run them apart:
+#   OUT=/tmp/out PARTS=tests BUDGET=560 bash benchmarks/multi_gpu_suite.sh
+#   OUT=/tmp/out PARTS=ep,30b,70b bash benchmarks/multi_gpu_suite.sh
 #   OUT=/tmp/out PARTS=stock bash benchmarks/multi_gpu_suite.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/benchmarks/results/multi_gpu}
@@ -25,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 
 if part tests; then
     log="$OUT/gpu_tests_world${GPUS}.log"
-    timeout "$(cap 270)" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+    timeout "$(cap 540)" python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
         tests/gpu/test_fsdp_gpu.py tests/gpu/test_ddp_gpu.py 2>&1 | tee "$log"
     echo "gpu tests exit code: ${PIPESTATUS[0]} (124: cut at the time cap)" | tee -a "$log"
 fi
@@ -50,7 +53,7 @@ if part 70b; then
         --warmup 1 --steps 2 --out "$OUT/fsdp_llama_3_1_70b_nf4.json"
 fi
 if part stock; then
-    bench 100 fsdp_qwen3_30b_a3b_stock --shape qwen3_30b_a3b --lora --systems stock_fsdp --warmup 1 --steps 2 \
-        --out "$OUT/fsdp_qwen3_30b_a3b.json"
+    bench 200 fsdp_qwen3_30b_a3b_stock --shape qwen3_30b_a3b --lora --systems stock_fsdp --warmup 1 --steps 2 \
+        --out "$OUT/fsdp_qwen3_30b_a3b_stock.json"
 fi
 echo "multi-GPU suite done in $(($(date +%s) - start)) s (parts: $PARTS)"
