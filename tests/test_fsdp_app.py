@@ -149,20 +149,19 @@ def test_under_fsdp_a_random_model_is_built_per_shard(hydra_conf, tmp_path):
     )  # the pretrained tiny base
 
 
-def test_the_app_trains_a_model_made_shard_by_shard_on_two_cpu_processes(tmp_path):
-    """``lightning-sloth trainer=fsdp trainer.devices=2 model=tiny_llama`` end to end: Lightning
-    re-runs the command for rank 1, each rank makes its own shards, and the run trains, validates
-    and writes its sharded checkpoint and adapter."""
-    import json
+def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str):
+    """``lightning-sloth trainer=fsdp trainer.devices=2 model=tiny_llama`` (two short steps) on a plain
+    machine (no cluster variables); returns the finished process."""
     import os
     import subprocess
     import sys
 
-    out = tmp_path / "run"
     args = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "model=tiny_llama"]
     args += ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
     args += ["trainer.samples=0", "trainer.num_sanity_val_steps=0", "data.num_train=64", "data.num_val=8"]
-    args += ["trainer.enable_progress_bar=false", f"hydra.run.dir={out}"]
+    args += ["trainer.enable_progress_bar=false"]
+    flags = [o for o in overrides if o.startswith("-")]
+    args = flags + args + [o for o in overrides if not o.startswith("-")]
     app = Path(sys.executable).parent / "lightning-sloth"
     cluster = (
         "SLURM_",
@@ -179,9 +178,38 @@ def test_the_app_trains_a_model_made_shard_by_shard_on_two_cpu_processes(tmp_pat
         [str(app), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_the_app_trains_a_model_made_shard_by_shard_on_two_cpu_processes(tmp_path):
+    """``lightning-sloth trainer=fsdp trainer.devices=2 model=tiny_llama`` end to end: Lightning
+    re-runs the command for rank 1, each rank makes its own shards, and the run trains, validates
+    and writes its sharded checkpoint and adapter."""
+    import json
+
+    out = tmp_path / "run"
+    result = _app_on_two_cpu_ranks(tmp_path, f"hydra.run.dir={out}")
     assert (result.stdout + result.stderr).count("shards made per rank (RandomWeights)") == 2  # both ranks
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["val"]["loss"] > 0
     assert (out / "checkpoints" / "last.ckpt").is_dir() and (
         out / "adapter" / "adapter_model.safetensors"
     ).is_file()
+
+
+def test_a_sweep_spawns_each_jobs_two_ranks_once(tmp_path):
+    """``-m`` with ``trainer=fsdp`` on two CPU processes: each job spawns its ranks from the job
+    (the command line, which is the whole sweep, is never re-run), trains and writes its own
+    outputs; the sweep launches once."""
+    import json
+
+    sweep = tmp_path / "sweep"
+    result = _app_on_two_cpu_ranks(tmp_path, "-m", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}")
+    output = result.stdout + result.stderr
+    assert output.count("Launching 2 jobs locally") == 1
+    for job, lr in (("0", 1e-3), ("1", 3e-3)):
+        metrics = json.loads((sweep / job / "metrics.json").read_text())
+        assert metrics["steps"] == 2 and metrics["val"]["loss"] > 0
+        assert (sweep / job / "adapter" / "adapter_model.safetensors").is_file()
+        assert f"lr: {lr}" in (sweep / job / ".hydra" / "config.yaml").read_text()
+    assert not (sweep / "2").exists()
