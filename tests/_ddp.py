@@ -69,13 +69,19 @@ def _worker(rank: int, port: int, device_type: str, offload: bool, results, worl
         state = {n: p.detach().cpu() for n, p in model.named_parameters()}
         results[(offload, rank)] = (state, offloader.stats() if offloader is not None else {})
     except BaseException:
-        # Leave at once: destroy_process_group() could wait for a peer inside a collective (NCCL).
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        leave_at_once()
     dist.destroy_process_group()
+
+
+def leave_at_once() -> None:
+    """End a failed rank now, its traceback printed, without ``destroy_process_group()``: with NCCL
+    that call can wait for peers still inside a collective, and every rank would then wait for the
+    collective's timeout. The exit makes the launcher stop the others and raise."""
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def run(device_type: str, world: int = WORLD) -> dict:

@@ -10,13 +10,12 @@ slow part on a CPU).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from _ddp import WORLD, free_port
+from _ddp import WORLD, free_port, leave_at_once
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import (
@@ -282,15 +281,10 @@ def _worker(local_rank: int, port: int, scenario: Callable, tmp: str, results, w
     try:
         results[local_rank] = scenario(Path(tmp))
     except BaseException:
-        # A failed rank leaves at once, without destroy_process_group(): with NCCL that call can wait
-        # for peers still inside a collective, and every rank would then wait for the collective
-        # timeout. Its exit makes the launcher stop the others and raise.
         import traceback
 
         _progress("failed:\n" + traceback.format_exc())
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        leave_at_once()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -18,9 +18,10 @@ the 4-bit layer and its ops); they compute in the mode's dtype, float32 included
 With ``base_dtype="fp8"`` the frozen base linear layers are stored in FP8 e4m3 with one scale per
 output channel (with ``quantize`` too they stay in 4 bits and each product decodes them to FP8:
 QLoRA with FP8 compute, memory unchanged) and their products run ``torch._scaled_mm`` with
-activations quantised per row; LoRA, norms, attention and the loss stay in the compute dtype. ``fp8_training=True`` is full fine-tuning in FP8 through
-torchao's float8 training (row-wise recipe). Both need FP8 tensor cores on CUDA (sm89+); on CPU they
-run the plain-torch emulation (tests).
+activations quantised per row; LoRA, norms, attention and the loss stay in the compute dtype.
+``fp8_training=True`` is full fine-tuning in FP8 through torchao's float8 training (row-wise
+recipe). Both need FP8 tensor cores on CUDA (sm89+); on CPU they run the plain-torch emulation
+(tests).
 """
 
 from __future__ import annotations
