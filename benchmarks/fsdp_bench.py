@@ -119,7 +119,10 @@ def gpu_sizes(text: str) -> list[int]:
 
 def add_scaling(records: list[dict]) -> None:
     """``scaling_efficiency`` of every measured record: its tokens/s per GPU over that of the same
-    system, shape and fine-tuning at the smallest size measured (1.0 there); in place."""
+    system, shape and fine-tuning at the smallest size measured (1.0 there), or over the
+    ``sloth_1gpu`` record of that shape and fine-tuning where the system has no one-GPU record of
+    its own (``--systems sloth_1gpu,sloth_fsdp,sloth_fsdp_no_reshard --gpus 4`` measures the one
+    GPU once for every variant); in place."""
     base: dict[tuple, tuple[int, float]] = {}
     measured = [r for r in records if "tokens_per_s_per_gpu" in r]
     for r in measured:
@@ -127,7 +130,12 @@ def add_scaling(records: list[dict]) -> None:
         if key not in base or r["gpus"] < base[key][0]:
             base[key] = (r["gpus"], r["tokens_per_s_per_gpu"])
     for r in measured:
-        gpus, tps = base[(r["system"], r["shape"], r["lora"], r.get("quantize"))]
+        key = (r["system"], r["shape"], r["lora"], r.get("quantize"))
+        one_gpu = base.get(("sloth_1gpu",) + key[1:])
+        if base[key][0] > 1 and one_gpu is not None and one_gpu[0] == 1:
+            gpus, tps = one_gpu
+        else:
+            gpus, tps = base[key]
         r["scaling_base_gpus"] = gpus
         r["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / tps
 

@@ -122,6 +122,11 @@ def test_scaling_efficiency_is_against_the_smallest_size_measured_of_the_same_ru
     assert "scaling_efficiency" not in records[0]  # the failed run: nothing to scale
     assert [r["scaling_efficiency"] for r in records[1:]] == pytest.approx([1.0, 0.92, 1.0, 0.9, 1.0])
     assert [r["scaling_base_gpus"] for r in records[1:]] == [2, 2, 1, 1, 4]
+    # a variant measured only at four GPUs scales against the one-GPU run of sloth_1gpu
+    records = [run("sloth_1gpu", 1, 100.0), run("sloth_fsdp_no_reshard", 4, 93.0), run("sloth_ddp", 2, 96.0)]
+    fsdp_bench.add_scaling(records)
+    assert [r["scaling_efficiency"] for r in records] == pytest.approx([1.0, 0.93, 0.96])
+    assert [r["scaling_base_gpus"] for r in records] == [1, 1, 1]
 
 
 def test_impossible_runs_are_refused_before_any_starts():
