@@ -184,24 +184,26 @@ def _moe(
     prefix: str,
     package: str,
     experts: tuple[str, ...],
-    routers: tuple[str, ...] = (),
-    moe_blocks: tuple[str, ...] = (),
+    routers: tuple[str, ...],
     load_balancing: bool = False,
-    causal_lms: tuple[str, ...] | None = None,
+    rotary: bool = True,
+    **columns,
 ) -> Family:
+    """An MoE family of Llama-order norms and rotate-half rotary (``rotary=False``: the attention
+    rotates another way, said in ``absent``) whose dense MLPs and shared experts are gated MLPs."""
     return Family(
         package=package,
-        norms=(),
+        norms=(f"{prefix}RMSNorm",),
         norm_style=LLAMA_NORM,
         mlps=(f"{prefix}MLP",),
         activation_attr="hidden_act",
-        attentions=(),
+        attentions=(f"{prefix}Attention",) if rotary else (),
         rope_layout="rotate_half",
-        causal_lms=(f"{prefix}ForCausalLM",) if causal_lms is None else causal_lms,
+        causal_lms=(f"{prefix}ForCausalLM",),
         moe=load_balancing,
         experts=experts,
         routers=routers,
-        moe_blocks=moe_blocks,
+        **columns,
     )
 
 
@@ -359,8 +361,8 @@ FAMILIES: dict[str, Family] = {
         experts=("Qwen3NextExperts",),
         routers=("Qwen3NextTopKRouter",),
     ),
-    # MoE rows whose attention and norms run transformers' modules: the MoE columns (moe, experts,
-    # routers, moe_blocks) and the gated MLPs (shared experts and dense layers).
+    # Qwen2-MoE, GLM-4-MoE (partial rotary, optional per-head QK-norm) and DeepSeek-V3 (MLA, whose
+    # q_a/kv_a latent norms are the same RMSNorm class): Llama-order norms (weight * x_hat rounded).
     "qwen2_moe": _moe(
         "Qwen2Moe",
         "qwen2_moe",
@@ -370,7 +372,19 @@ FAMILIES: dict[str, Family] = {
     ),
     "glm4_moe": _moe("Glm4Moe", "glm4_moe", experts=("Glm4MoeExperts",), routers=("Glm4MoeTopkRouter",)),
     "deepseek_v3": _moe(
-        "DeepseekV3", "deepseek_v3", experts=("DeepseekV3Experts",), routers=("DeepseekV3TopkRouter",)
+        "DeepseekV3",
+        "deepseek_v3",
+        experts=("DeepseekV3Experts",),
+        routers=("DeepseekV3TopkRouter",),
+        rotary=False,
+        absent=(
+            (
+                "rope",
+                "interleaved rotary (apply_rotary_pos_emb_interleave, config.rope_interleave=True "
+                "by default); sloth::rope computes rotate-half, and the row is per class, so "
+                "rope_interleave=False models keep transformers' rotary as well",
+            ),
+        ),
     ),
 }
 """``config.model_type`` -> :class:`Family`."""
