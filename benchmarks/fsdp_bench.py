@@ -6,11 +6,15 @@ every size), bf16 mixed precision, gradient clipping at 1.0, fused AdamW::
 
     sloth_1gpu   SlothStrategy(kernels=True)                       1 process
     sloth_ddp    SlothDDPStrategy(kernels=True)                    N processes
-    sloth_fsdp   SlothFSDPStrategy(kernels=True)                   N processes
-    sloth_fsdp_no_reshard   the same with reshard_after_forward=False (weights stay gathered
-                 from a layer's forward to its backward: one all-gather per layer per step)
-    sloth_fsdp_node   SlothFSDPStrategy(kernels=True, checkpoint_impl="node") (each checkpointed
-                 layer one autograd node, as on one GPU and under DDP)
+    sloth_fsdp   SlothFSDPStrategy(kernels=True), its defaults     N processes
+                 (LoRA with room on the GPU: weights kept gathered from a layer's forward to its
+                 backward, the one-node checkpoint; otherwise resharded, torch's checkpoint)
+    A suffixed name spells the whole configuration; what it does not name is torch's checkpoint,
+    resharding after the forward and automatic units (the strategy's defaults before they chose):
+    sloth_fsdp_no_reshard   reshard_after_forward=False (weights stay gathered from a layer's
+                 forward to its backward: one all-gather per layer per step)
+    sloth_fsdp_node   checkpoint_impl="node" (each checkpointed layer one autograd node, as on one
+                 GPU and under DDP)
     sloth_fsdp_unit4  layers_per_unit=4 (four decoder layers per FSDP2 unit); suffixes combine:
                  sloth_fsdp[_node][_unitN][_no_reshard]
     stock_fsdp   ModelParallelStrategy + fully_shard per layer in configure_model (Lightning's
@@ -69,12 +73,18 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def fsdp_options(system: str) -> dict | None:
     """``SlothFSDPStrategy`` options of a ``sloth_fsdp[_node][_unitN][_no_reshard][_shard_frozen]``
-    system name (``None`` for the other systems); ``_shard_frozen`` shards a LoRA base even where
-    ``shard_frozen="auto"`` would keep it whole."""
+    system name (``None`` for the other systems): ``{}`` (the strategy's defaults) for plain
+    ``sloth_fsdp``; a suffixed name sets ``checkpoint_impl`` and ``reshard_after_forward`` either
+    way (``"torch"`` and ``True`` unless it says ``_node`` / ``_no_reshard``), so its records
+    mean what they meant before the defaults chose them. ``_shard_frozen`` shards a LoRA base
+    even where ``shard_frozen="auto"`` would keep it whole."""
     if system != "sloth_fsdp" and not system.startswith("sloth_fsdp_"):
         return None
     options: dict = {}
     rest = system.removeprefix("sloth_fsdp")
+    if not rest:
+        return options
+    options |= {"checkpoint_impl": "torch", "reshard_after_forward": True}
     if rest.startswith("_node"):
         options["checkpoint_impl"] = "node"
         rest = rest.removeprefix("_node")

@@ -255,7 +255,9 @@ class TrainerConfig:
             selects the DDP strategy (see ``lightning_sloth.build.build_strategy``).
         sharding: with several processes, ``ddp`` (replicas) or ``fsdp`` (FSDP2 shards,
             ``SlothFSDPStrategy``; ``trainer=fsdp``).
-        fsdp_reshard_after_forward: FSDP2 frees each layer's gathered weights after its forward.
+        fsdp_reshard_after_forward: FSDP2 frees each layer's gathered weights after its forward
+            (``true``) or keeps them for the backward (``false``); ``null`` (the default): keeps
+            them for LoRA / QLoRA where the gathered model takes at most a quarter of the GPU.
         fsdp_cpu_offload: FSDP2 keeps sharded weights, gradients and optimizer states on the host.
         fsdp_layers_per_unit: consecutive decoder layers FSDP2 gathers and reduces as one unit
             (``null``: as many as hold 250M parameters, at least one).
@@ -278,7 +280,7 @@ class TrainerConfig:
     devices: int = 1
     num_nodes: int = 1
     sharding: Sharding = Sharding.ddp
-    fsdp_reshard_after_forward: bool = True
+    fsdp_reshard_after_forward: bool | None = None
     fsdp_cpu_offload: bool = False
     fsdp_layers_per_unit: int | None = None
     max_steps: int = 300

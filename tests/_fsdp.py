@@ -184,6 +184,7 @@ def fit(
     compile: bool = False,
     meta_weights=None,
     shard_frozen: bool | str = True,
+    reshard_after_forward: bool | None = None,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) processes; with ``meta_weights`` the model is built on the meta
@@ -198,7 +199,12 @@ def fit(
     )
     strategy_class = SlothFSDPStrategy if strategy == "fsdp" else SlothDDPStrategy
     sharding = (
-        dict(layers_per_unit=layers_per_unit, meta_weights=meta_weights, shard_frozen=shard_frozen)
+        dict(
+            layers_per_unit=layers_per_unit,
+            meta_weights=meta_weights,
+            shard_frozen=shard_frozen,
+            reshard_after_forward=reshard_after_forward,
+        )
         if strategy == "fsdp"
         else {}
     )
@@ -429,6 +435,14 @@ MORE_CASES = (
     # A LoRA base kept whole on every rank (shard_frozen=False): only the adapters are sharded.
     ("replicated_base", "llama", True, dict(shard_frozen=False, kernels=True, **_ONE_STEP)),
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
+    # The same with the gathered weights kept from forward to backward (what reshard_after_forward=None
+    # picks for LoRA on a GPU with room for the model).
+    (
+        "node_gathered",
+        "llama",
+        True,
+        dict(offload="on", checkpoint_impl="node", reshard_after_forward=False, **_ONE_STEP),
+    ),
     ("full", "llama", False, dict(layers_per_unit=1, **_ONE_STEP)),
     ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),
     # Both (tiny) decoder layers in one FSDP2 unit: the automatic grouping, and asked for.

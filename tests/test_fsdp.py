@@ -234,6 +234,78 @@ def test_node_checkpoint_under_fsdp_equals_torchs_bit_for_bit_with_as_many_all_g
     _assert_step_matches_one_process(more_runs[0][node], more_runs[1][node], "llama", lora)
 
 
+def test_gathered_weights_kept_for_the_backward_train_bit_for_bit_with_fewer_all_gathers(more_runs):
+    """reshard_after_forward=False with the node checkpoint (LoRA with offload; what the default
+    picks for LoRA on a GPU with room for the gathered model): losses and gradients bit for bit
+    those of resharding after each forward (hence one process's on the global batch), with fewer
+    all-gathers (the backward finds its weights still gathered); the offloader sees the same
+    layer inputs."""
+    for rank in (0, 1):
+        a, b = more_runs[rank]["node_gathered"], more_runs[rank]["node_offload"]
+        assert "fully_shard (2 decoder layers, gathered from forward to backward, then the root)" in a["report"]
+        assert "fully_shard (2 decoder layers, then the root)" in b["report"]
+        assert a["losses"] == b["losses"]
+        assert 0 < a["all_gathers"] < b["all_gathers"]
+        assert a["offload"] == b["offload"]
+    a, b = more_runs[0]["node_gathered"]["steps"][0], more_runs[0]["node_offload"]["steps"][0]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, grad in b["grads"].items():
+        assert torch.equal(a["grads"][name], grad), name
+
+
+def _lora_model(hidden: int = 64):
+    from peft import LoraConfig, get_peft_model
+
+    model = _fsdp.tiny_model("llama", 50, hidden=hidden)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_automatic_resharding_keeps_a_lora_models_weights_gathered_where_they_fit():
+    from lightning_sloth.plugins.sharding import KEEP_GATHERED_SHARE, resolve_reshard_after_forward
+
+    lora = _lora_model()
+    fp32 = sum(p.numel() * 4 for p in lora.parameters())
+    bf16 = mixed_precision_policy("bf16-mixed")
+    # gathered in bf16 the model takes half its float32 bytes
+    assert resolve_reshard_after_forward(lora, None, int(fp32 / 2 / KEEP_GATHERED_SHARE) + 1, bf16) is False
+    assert resolve_reshard_after_forward(lora, None, int(fp32 / KEEP_GATHERED_SHARE) + 1, None) is False
+    assert resolve_reshard_after_forward(lora, None, int(fp32 / KEEP_GATHERED_SHARE) - 8, None) is True
+    assert resolve_reshard_after_forward(lora, None, None, bf16) is True  # off CUDA
+    for given in (True, False):  # as given, whatever the memory
+        assert resolve_reshard_after_forward(lora, given, 10**15, bf16) is given
+    full = _fsdp.tiny_model("llama", 50)  # full fine-tuning: every weight trains
+    assert resolve_reshard_after_forward(full, None, 10**15, bf16) is True
+    with torch.device("meta"):
+        meta = _lora_model()  # built shard by shard: no card holds it
+    assert resolve_reshard_after_forward(meta, None, 10**15, bf16) is True
+    with pytest.raises(ShardingError, match="reshard_after_forward takes True, False or None"):
+        resolve_reshard_after_forward(lora, "auto", 10**15, bf16)
+    with pytest.raises(ShardingError, match="reshard_after_forward takes True, False or None"):
+        SlothFSDPStrategy(reshard_after_forward=1)
+
+
+@pytest.mark.parametrize(
+    "given,memory,expected",
+    [
+        (dict(), 10**12, (False, "node", 1)),  # room: gathered, with the node
+        (dict(), 10**3, (True, "torch", None)),  # no room: resharded, torch's checkpoint
+        (dict(layers_per_unit=2), 10**12, (False, "torch", 2)),  # grouped layers: torch's
+        (dict(checkpoint_impl="torch"), 10**12, (False, "torch", None)),
+        (dict(reshard_after_forward=True), 10**12, (True, "torch", None)),
+        (dict(reshard_after_forward=False, checkpoint_impl="node"), 10**3, (False, "node", 1)),
+    ],
+)
+def test_the_strategy_pairs_the_node_with_gathered_weights(monkeypatch, given, memory, expected):
+    import types
+
+    strategy = SlothFSDPStrategy(**given)
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=memory))
+    strategy._choose_resharding(_lora_model(), mixed_precision_policy("bf16-mixed"))
+    got = (strategy.reshard_after_forward, strategy.sloth_settings["checkpoint_impl"], strategy.layers_per_unit)
+    assert got == expected
+
+
 @pytest.mark.parametrize("grouped,per_layer", [("unit2_offload", "offload"), ("unit2_full", "full")])
 def test_layers_grouped_in_one_unit_train_bit_for_bit_with_fewer_all_gathers(more_runs, grouped, per_layer):
     """Both decoder layers in one FSDP2 unit (LoRA with offload: the automatic grouping of small
@@ -298,10 +370,11 @@ def test_automatic_units_hold_at_most_250m_parameters(shape, per_unit):
     assert per_unit == 1 or per_unit * layer_params <= AUTO_UNIT_PARAMETERS < (per_unit + 1) * layer_params
 
 
-def test_checkpoint_impl_defaults_node_and_torch_under_fsdp():
+def test_checkpoint_impl_defaults_node_and_chosen_at_setup_under_fsdp():
     from lightning_sloth.plugins import SlothDDPStrategy, SlothFSDPStrategy, SlothStrategy
 
-    assert SlothFSDPStrategy().sloth_settings["checkpoint_impl"] == "torch"
+    assert SlothFSDPStrategy().sloth_settings["checkpoint_impl"] is None  # chosen at setup
+    assert SlothFSDPStrategy(checkpoint_impl="torch").sloth_settings["checkpoint_impl"] == "torch"
     assert SlothFSDPStrategy(checkpoint_impl="node").sloth_settings["checkpoint_impl"] == "node"
     assert SlothStrategy().sloth_settings["checkpoint_impl"] == "node"
     assert SlothDDPStrategy().sloth_settings["checkpoint_impl"] == "node"

@@ -15,16 +15,24 @@ import fsdp_bench  # noqa: E402
 @pytest.mark.parametrize(
     "system,options",
     [
-        ("sloth_fsdp", {}),
-        ("sloth_fsdp_no_reshard", {"reshard_after_forward": False}),
-        ("sloth_fsdp_node", {"checkpoint_impl": "node"}),
-        ("sloth_fsdp_unit4", {"layers_per_unit": 4}),
+        ("sloth_fsdp", {}),  # the strategy's defaults
+        # a suffixed name spells the whole configuration: torch's checkpoint and resharding unless named
+        ("sloth_fsdp_no_reshard", {"checkpoint_impl": "torch", "reshard_after_forward": False}),
+        ("sloth_fsdp_node", {"checkpoint_impl": "node", "reshard_after_forward": True}),
+        ("sloth_fsdp_node_no_reshard", {"checkpoint_impl": "node", "reshard_after_forward": False}),
+        ("sloth_fsdp_unit4", {"checkpoint_impl": "torch", "reshard_after_forward": True, "layers_per_unit": 4}),
         (
             "sloth_fsdp_node_unit2_no_reshard",
             {"checkpoint_impl": "node", "layers_per_unit": 2, "reshard_after_forward": False},
         ),
-        ("sloth_fsdp_shard_frozen", {"shard_frozen": True}),
-        ("sloth_fsdp_node_shard_frozen", {"checkpoint_impl": "node", "shard_frozen": True}),
+        (
+            "sloth_fsdp_shard_frozen",
+            {"checkpoint_impl": "torch", "reshard_after_forward": True, "shard_frozen": True},
+        ),
+        (
+            "sloth_fsdp_node_shard_frozen",
+            {"checkpoint_impl": "node", "reshard_after_forward": True, "shard_frozen": True},
+        ),
         ("sloth_ddp", None),
     ],
 )

@@ -253,6 +253,64 @@ def frozen_to_replicate(
     return set(frozen)
 
 
+KEEP_GATHERED_SHARE = 0.25
+"""``reshard_after_forward=None`` keeps a LoRA model's gathered weights from each layer's forward
+to its backward when the whole model, gathered in the compute dtype, takes at most this share of
+the GPU's memory."""
+
+
+def resolve_reshard_after_forward(
+    hf_model: nn.Module,
+    reshard_after_forward: bool | None,
+    device_memory: int | None,
+    policy=None,
+) -> bool:
+    """FSDP2's ``reshard_after_forward`` for the decoder-layer units of ``hf_model``.
+
+    ``True`` frees each unit's gathered weights after its forward and gathers them again in the
+    backward; ``False`` keeps them until the backward (one all-gather per unit and step, the whole
+    model gathered at the peak). ``None`` (automatic) keeps them for a LoRA (or QLoRA) model —
+    frozen weights outnumber the trainable ones, so the peak is the frozen base plus small
+    adapters — on a CUDA device where the gathered model takes at most
+    :data:`KEEP_GATHERED_SHARE` of its memory; otherwise, and always for a model built on the meta
+    device (one no card holds) or full fine-tuning, it reshards. Measured on four H200s (LoRA
+    r=16, 16k tokens per GPU, with the one-node checkpoint the strategy pairs with it): Llama-3.1-8B
+    91.3% of one GPU's tokens/s per GPU (81.4% resharding, under torch's checkpoint), at 25.3 GiB
+    instead of 15.2; Llama-3.2-1B 87.8% (78.7%).
+
+    Args:
+        hf_model: the transformers model (inside PEFT's wrapper when LoRA is on), before sharding.
+        reshard_after_forward: ``True``/``False`` (returned as given) or ``None`` (automatic).
+        device_memory: the GPU's total bytes; ``None`` off CUDA (where it reshards).
+        policy: :func:`mixed_precision_policy`'s result: floating weights count at its
+            ``param_dtype`` (what a gather makes), integer ones (4-bit codes) at their own size.
+
+    Raises:
+        ShardingError: anything but ``True``, ``False`` or ``None``.
+    """
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ShardingError(
+            f"reshard_after_forward takes True, False or None (automatic), got {reshard_after_forward!r}"
+        )
+    if reshard_after_forward is not None:
+        return reshard_after_forward
+    params = list(hf_model.parameters())
+    if device_memory is None or any(p.is_meta for p in params):
+        return True
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    if trainable == 0 or trainable >= frozen:
+        return True
+    dtype = getattr(policy, "param_dtype", None)
+    itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+
+    def gathered(p: nn.Parameter) -> int:
+        floating = p.is_floating_point() or p.is_complex()
+        return p.numel() * (itemsize if floating and itemsize is not None else p.element_size())
+
+    return sum(gathered(p) for p in params) > KEEP_GATHERED_SHARE * device_memory
+
+
 @torch.no_grad()
 def cast_replicated(replicate: set[nn.Parameter], policy) -> None:
     """Store the replicated frozen parameters in the policy's compute dtype, in place.

@@ -35,6 +35,7 @@ from lightning_sloth.plugins.sharding import (
     frozen_to_replicate,
     full_state_dict,
     mixed_precision_policy,
+    resolve_reshard_after_forward,
     shard_model,
     shardable_layers,
 )
@@ -73,7 +74,7 @@ class _SlothSetup:
                 f"cuda_graphs runs on one device only: its graphs set the parameters' gradients "
                 f"directly, which the gradient hooks of {type(self).__name__} would never see"
             )
-        if checkpoint_impl is None:  # the strategy's own: the node, torch's checkpoint under FSDP2
+        if checkpoint_impl is None:  # the strategy's own: the node (FSDP2: chosen at setup)
             checkpoint_impl = self.default_checkpoint_impl
         self.sloth_settings = dict(
             packed_attention=packed_attention,
@@ -229,8 +230,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         start_method: ``"popen"`` (Lightning re-runs the script per process; the default) or
             ``"spawn"`` (processes forked from this one; the Hydra app uses it under ``-m``).
             Ignored where the cluster starts the processes (torchrun, SLURM).
-        reshard_after_forward: free each layer's gathered weights after its forward (``False``:
-            keep them for the backward, fewer all-gathers, more memory).
+        reshard_after_forward: free each layer's gathered weights after its forward (``True``), or
+            keep them for the backward (``False``: one all-gather per layer and step instead of
+            two, the whole model gathered at the peak). ``None`` (the default): keep them for a
+            LoRA / QLoRA model whose gathered weights take at most a quarter of the GPU's memory,
+            reshard otherwise (full fine-tuning, a model built on the meta device, off CUDA; see
+            :func:`~lightning_sloth.plugins.sharding.resolve_reshard_after_forward`). After
+            setup the attribute holds the value applied.
         cpu_offload: FSDP2's ``CPUOffloadPolicy``: sharded weights, gradients and optimizer
             states in host memory.
         layers_per_unit: consecutive decoder layers sharded as one FSDP2 unit (gathered and
@@ -254,7 +260,9 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             leaves FSDP2 only the adapters to gather and reduce (stored in the compute dtype); on
             four H100s that measured no faster than sharding it, hence the default.
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
-        checkpoint_impl: ``"torch"`` (the default here) or ``"node"``. Under FSDP2 the node's
+        checkpoint_impl: ``"torch"``, ``"node"`` or ``None`` (the default): the node where the
+            gathered weights are kept from forward to backward (one layer per unit; measured the
+            faster pair on four H200s), torch's checkpoint where they are resharded. Under FSDP2 the node's
             forward runs FSDP2's hooks without a graph (gather, reshard, and the post-forward
             order that backward prefetching follows); its recompute runs inside the backward,
             where FSDP2 neither reshards nor records, so a layer is gathered once in the forward
@@ -271,7 +279,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
     """
 
     strategy_name = "sloth_fsdp"
-    default_checkpoint_impl = "torch"
+    default_checkpoint_impl = None  # chosen with reshard_after_forward in apply_transformations
     # CausalLMModule reads this: the loss of a step is normalised by the global target tokens.
     global_token_loss = True
 
@@ -279,7 +287,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         self,
         *args: Any,
         start_method: str = "popen",
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         cpu_offload: bool = False,
         layers_per_unit: int | None = None,
         meta_weights: Any = None,
@@ -295,6 +303,10 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise ShardingError(
+                f"reshard_after_forward takes True, False or None (automatic), got {reshard_after_forward!r}"
+            )
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.layers_per_unit = check_layers_per_unit(layers_per_unit)
@@ -336,6 +348,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
                 "checkpoint directory) so each rank can fill its own shards"
             )
         source = weight_source(self.meta_weights, hf_model) if meta else None
+        self._choose_resharding(hf_model, policy)
         report = super().apply_transformations()
         if report.checkpointing is not None:
             # The embedding's weight is sharded from here on: its output stays saved, not looked up
@@ -356,6 +369,8 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             replicate=replicate,
         )
         grouped = f", {per_unit} per unit" if per_unit > 1 else ""
+        if not self.reshard_after_forward:
+            grouped += ", gathered from forward to backward"
         whole = f"; {len(replicate)} frozen tensors kept whole on every rank" if replicate else ""
         report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root{whole})")
         if source is not None:
@@ -363,6 +378,21 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             self.shard_stats = materialize_shards(hf_model, source, device)
             report.applied.append(f"shards made per rank ({type(source).__name__})")
         return report
+
+    def _choose_resharding(self, hf_model: torch.nn.Module, policy) -> None:
+        """Resolve ``reshard_after_forward=None`` and ``checkpoint_impl=None`` for this model and
+        device: the node with the gathered weights kept (one layer per unit), torch's checkpoint
+        with resharding."""
+        device = self.root_device
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        self.reshard_after_forward = resolve_reshard_after_forward(
+            hf_model, self.reshard_after_forward, memory, policy
+        )
+        if self.sloth_settings["checkpoint_impl"] is None:
+            node = not self.reshard_after_forward and self.layers_per_unit in (None, 1)
+            self.sloth_settings["checkpoint_impl"] = "node" if node else "torch"
+            if node:
+                self.layers_per_unit = 1
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
