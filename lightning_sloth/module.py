@@ -99,13 +99,20 @@ class OptimizerSettings:
 def flop_parameters(model: nn.Module) -> int:
     """Parameters that cost matmul FLOPs per token: all but the input embedding, lm_head included.
 
-    A 4-bit weight (``uint8`` codes, two per byte) counts two parameters per byte.
+    A 4-bit weight (``uint8`` codes, two per byte) counts two parameters per byte; a module whose
+    ``uint8`` weights hold another number of values per byte says so in a ``codes_per_byte``
+    attribute (an FP8 layer: one).
     """
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    total = sum(
-        p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in model.parameters() if p is not embedding
-    )
+    total, seen = 0, {id(embedding)}
+    for module in model.modules():
+        per_byte = getattr(module, "codes_per_byte", 2)
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel() * (per_byte if p.dtype == torch.uint8 else 1)
     return total + (head.numel() if head is embedding else 0)
 
 

@@ -389,3 +389,29 @@ def test_qlora_with_fp8_compute_keeps_the_4bit_storage_and_equals_fp8_bases_of_i
     torch.testing.assert_close(grads[1], grads[2], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="no 4-bit layer"):
         fp8_compute_4bit(tiny_llama())
+
+
+def test_flop_parameters_count_each_fp8_code_once_and_each_4bit_byte_twice():
+    """The benchmarks' model FLOPs (6 · parameters · tokens) do not change with the base's storage:
+    an FP8 layer holds one value per uint8, a 4-bit layer two."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_sloth.module import flop_parameters
+    from lightning_sloth.quant import quantize_model
+
+    def tiny():
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+        )  # fmt: skip
+        return LlamaForCausalLM(config).requires_grad_(False)
+
+    expected = flop_parameters(tiny())
+    fp8 = tiny()
+    assert fp8_base_model(fp8)
+    assert any(p.dtype == torch.uint8 for p in fp8.parameters())
+    assert flop_parameters(fp8) == expected
+    nf4 = tiny()
+    assert quantize_model(nf4)
+    assert flop_parameters(nf4) == expected

@@ -43,6 +43,8 @@ class LinearFP8(nn.Linear):
         weight_dtype: the dtype the weight had before quantisation.
     """
 
+    codes_per_byte = 1  # one e4m3 value per uint8 (flop_parameters counts 4-bit codes as two)
+
     def __init__(
         self,
         codes: Tensor,
