@@ -142,6 +142,34 @@ def test_ep_probe_rows_name_the_cheaper_side_at_each_fan_out():
         assert cells[5] == ("expert parallelism" if verdict["ep_wins_on_communication"] else "FSDP2")
 
 
+def test_moe_layer_table_shows_the_fused_permutation_where_measured():
+    report = json.loads((RESULTS / "moe_fused_h100.json").read_text())
+    table = bench_tables.render_moe_layer([report], ["moe_fused_h100.json"], {})
+    assert "lightning_sloth, fused permutation" in table
+    rows = [line for line in table.splitlines() if "LoRA on experts" in line]
+    assert len(rows) == len(report["results"])
+    for row, result in zip(rows, report["results"].values()):
+        cells = row.strip("| ").split(" | ")
+        assert cells[4].startswith(f"{result['sloth_fused']['median_ms']:.1f} ms")
+        assert cells[6] == f"{result['fused_speedup_vs_grouped_mm']:.2f}× / {result['fused_speedup_vs_sloth']:.2f}×"
+    plain = json.loads((RESULTS / "moe_layer_h100.json").read_text())
+    assert "fused" not in bench_tables.render_moe_layer([plain], ["moe_layer_h100.json"], {})
+
+
+def test_fp8_loss_table_says_which_target_is_met():
+    report = json.loads((RESULTS / "fp8_loss_curves_default_h100.json").read_text())
+    table = bench_tables.render_fp8_loss([report], ["fp8_loss_curves_default_h100.json"], {})
+    rows = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| default")}
+    assert set(rows) == set(report["results"])
+    verdict = report["against_baseline"]["fp8"]
+    expected = {True: "yes", False: "**no**"}
+    assert rows["fp8"].rstrip(" |").endswith(
+        f"{expected[verdict['loss_within_1pct']]} / {expected[verdict['exact_match_within_0_02']]}"
+    )
+    assert f"({verdict['final_loss_relative']:+.1%})" in rows["fp8"]
+    assert rows["bf16"].rstrip(" |").endswith("—")
+
+
 def test_report_rewrites_the_readme_and_every_doc_and_check_names_the_stale_one(tmp_path, capsys):
     results, args = _project(tmp_path)
     assert bench_report.main([*args, "--check"]) == 1

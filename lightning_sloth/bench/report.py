@@ -13,6 +13,7 @@ generated, never typed::
 
 ``kind`` picks the renderer: ``suite`` (default: files of the suite and of the argparse harness),
 ``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``ep_probe``, ``moe_layer``, ``kernels``, ``offload``,
+``fp8_gemm``, ``fp8_loss``,
 ``headline`` (several scenarios, one row each, chosen systems as columns, with a plot) and
 ``families`` (the supported-models table from ``lightning_sloth.patching.families`` and the tests
 that name each family; no result files).
@@ -40,6 +41,7 @@ from lightning_sloth.bench.tables import (
     render_compact,
     render_ep_probe,
     render_fp8_gemm,
+    render_fp8_loss,
     render_fsdp,
     render_kernels,
     render_moe_layer,
@@ -247,6 +249,7 @@ RENDERERS = {
     "kernels": render_kernels,
     "offload": render_offload,
     "fp8_gemm": render_fp8_gemm,
+    "fp8_loss": render_fp8_loss,
     "ep_probe": render_ep_probe,
     "headline": render_headline,
     "families": render_families,

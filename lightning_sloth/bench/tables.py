@@ -270,12 +270,18 @@ MOE_SHAPE_NAMES = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "gpt_oss_20b": "GPT-OSS-20B
 def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> str:
     """One MoE layer (``benchmarks/moe_bench.py``): median ms and peak over the layer's inputs per
     experts implementation, with the speed-up and the memory ratio against ``grouped_mm``; a column
-    for 4-bit experts (``sloth_nf4``) where a file measured them."""
-    nf4 = any("sloth_nf4" in result for report in reports for result in report["results"].values())
-    impls = ("eager", "grouped_mm", "sloth", "sloth_nf4")[: 4 if nf4 else 3]
+    for 4-bit experts (``sloth_nf4``) and one for the fused permutation (``sloth_fused``, with its
+    own speed-up) where a file measured them."""
+    results = [result for report in reports for result in report["results"].values()]
+    nf4 = any("sloth_nf4" in result for result in results)
+    fused = any("sloth_fused" in result for result in results)
+    impls = ["eager", "grouped_mm", "sloth"] + (["sloth_nf4"] if nf4 else []) + (["sloth_fused"] if fused else [])
     header = ["shape, experts", "transformers `eager`", "transformers `grouped_mm`", "lightning_sloth"]
     header += ["lightning_sloth, NF4 experts"] if nf4 else []
-    header += ["speed-up vs `grouped_mm`", "peak vs `grouped_mm`"]
+    header += ["lightning_sloth, fused permutation"] if fused else []
+    header += ["speed-up vs `grouped_mm`"]
+    header += ["fused: speed-up vs `grouped_mm` / vs lightning_sloth"] if fused else []
+    header += ["peak vs `grouped_mm`"]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     for report in reports:
         for case, result in report["results"].items():
@@ -289,12 +295,16 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
             cells = []
             for impl in impls:
                 m = result.get(impl)
-                cells.append(f"{m['median_ms']:.1f} ms / {m['peak_over_base_gib']:.2f} GiB" if m else DASH)
+                peak = m.get("peak_over_base_gib") if m else None
+                cells.append(f"{m['median_ms']:.1f} ms / {num(peak, '.2f')} GiB" if m else DASH)
             cells[2] = f"**{cells[2]}**"
             speed, memory = result.get("speedup_vs_grouped_mm"), result.get("memory_ratio_vs_grouped_mm")
-            lines.append(
-                f"| {label} | " + " | ".join(cells) + f" | {num(speed, '.2f')}× | {num(memory, '.2f')} |"
-            )
+            cells.append(f"{num(speed, '.2f')}×")
+            if fused:
+                vs_mm, vs_sloth = result.get("fused_speedup_vs_grouped_mm"), result.get("fused_speedup_vs_sloth")
+                cells.append(f"{num(vs_mm, '.2f')}× / {num(vs_sloth, '.2f')}×")
+            cells.append(num(memory, ".2f"))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     tokens = reports[-1].get("tokens")
     return (
         env_caption(reports, sources, f"{tokens:,} tokens" if tokens else "")
@@ -302,6 +312,35 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
         + "\n".join(lines)
         + "\n"
     )
+
+
+def render_fp8_loss(reports: list[dict], sources: list[str], params: dict) -> str:
+    """FP8 against bf16 bases over a run (``benchmarks/fp8_loss_curves.py``): per file (task) and
+    variant, the final training loss (mean of the last steps) and its change against bf16, the
+    validation loss and greedy exact match with its change, real tokens/s; and whether each
+    variant meets the targets (loss within 1%, exact match within 0.02)."""
+    header = ["task, steps", "bases", "final train loss: mean of the last 20 steps (vs bf16)", "val loss", "val exact match (vs bf16)"]
+    header += ["real tokens/s", "targets: loss within 1% / exact match within 0.02"]
+    lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 3) + " --- |"]
+    for report in reports:
+        for variant, run in report["results"].items():
+            cmp = report.get("against_baseline", {}).get(variant)
+            loss = f"{run['final_train_loss']:.4f}"
+            match = f"{run['val_exact_match']:.3f}"
+            targets = DASH
+            if cmp is not None:
+                loss += f" ({cmp['final_loss_relative']:+.1%})"
+                match += f" ({cmp['exact_match_change']:+.3f})"
+                yes = {True: "yes", False: "**no**"}
+                targets = f"{yes[cmp['loss_within_1pct']]} / {yes[cmp['exact_match_within_0_02']]}"
+            lines.append(
+                f"| {report['task']}, {report['steps']} | {variant} | {loss} | {run['val_loss']:.4f} | {match} "
+                f"| {num(run.get('real_tokens_per_s'), ',.0f')} | {targets} |"
+            )
+    caption = "Generated from " + ", ".join(f"`{s}`" for s in sources)
+    first = reports[0]
+    caption += f": {first.get('device', DASH)}, torch {first.get('torch', DASH)}."
+    return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
 KERNEL_NAMES = {
