@@ -14,7 +14,14 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-__all__ = ["base_model", "find_decoder_layers", "find_hf_model", "model_type", "unwrap_compiled"]
+__all__ = [
+    "base_model",
+    "find_decoder_layers",
+    "find_hf_model",
+    "model_type",
+    "recorded_outputs",
+    "unwrap_compiled",
+]
 
 
 def find_hf_model(module: nn.Module) -> nn.Module:
@@ -81,3 +88,18 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
         decoder = stacks(model.get_decoder())
         found = decoder or found
     return max(found, key=len)
+
+
+def recorded_outputs() -> list[str]:
+    """The module outputs transformers is recording in the forward running now (``router_logits``
+    under ``output_router_logits``, ``hidden_states``, ``attentions``), or ``[]``.
+
+    transformers records them with forward hooks that keep each module's output as it is made; a
+    layer run without a graph (the one-node checkpoint) would hand back outputs that carry no
+    gradient, so a router load-balancing loss built from them would train nothing. The
+    checkpointing asks this before running a layer as one node.
+    """
+    from transformers.utils.output_capturing import _active_collector
+
+    collected = _active_collector.get()
+    return [key for key in collected or () if not key.startswith("_")]

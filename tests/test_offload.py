@@ -313,6 +313,30 @@ def test_node_checkpoint_gives_torch_checkpoints_gradients(lora, with_offload, m
         assert offloader.stats()["offloaded_bytes_per_step"] == (LAYERS - 2) * INPUT_BYTES + first
 
 
+def test_a_forward_that_records_outputs_runs_under_torchs_checkpoint(monkeypatch):
+    """transformers records module outputs (here ``output_hidden_states``) with hooks that keep what
+    each layer returns; through the node they would carry no gradient. A loss built from a recorded
+    hidden state gets the gradients of torch's checkpoint, bit for bit, because such a forward runs
+    the layers under it; a forward recording nothing still runs the node."""
+    from lightning_sloth.hf_model import recorded_outputs
+
+    inputs = batch()
+    grads = []
+    for impl in ("torch", "node"):
+        model = tiny_llama()
+        apply_checkpointing(model, checkpoint_impl=impl)
+        calls = _spy_torch_checkpoint(monkeypatch)
+        out = model(**inputs, output_hidden_states=True)
+        (out.loss + out.hidden_states[1].float().square().mean()).backward()
+        assert len(calls) == LAYERS
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_bitwise(grads[1], grads[0])
+    assert recorded_outputs() == []  # outside a forward
+    calls = _spy_torch_checkpoint(monkeypatch)
+    model(**inputs).loss.backward()
+    assert calls == []
+
+
 def test_node_checkpoint_recomputes_under_the_forwards_autocast():
     """The backward runs outside autocast; the node's recompute re-enters the forward's bf16 autocast,
     so the gradients equal torch's checkpoint's (which does the same) bit for bit."""

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
-from lightning_sloth.hf_model import find_decoder_layers, unwrap_compiled
+from lightning_sloth.hf_model import find_decoder_layers, recorded_outputs, unwrap_compiled
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
 from lightning_sloth.ops.lora_groups import grouped_projections, shared_input_groups
@@ -260,6 +260,7 @@ class CheckpointedLayers:
         """The node's recompute skips what only the layer output's values need (the fused LoRA
         ``down_proj``'s base product and the residual add: see
         :func:`lightning_sloth.patching._forwards.layer_output_unread`); ``False``: the whole forward."""
+        self._said_recording = False
         self.graphs = self._graphs(model) if cuda_graphs else None
         """The layers' CUDA graphs (:class:`~lightning_sloth.offload.graphs.LayerGraphs`), or None."""
 
@@ -334,7 +335,7 @@ class CheckpointedLayers:
             return self._checkpoint(index, forward, args)
 
     def _checkpoint(self, index: int, forward, args: tuple) -> Any:
-        if self.checkpoint_impl == "node" and self._node_fits(forward):
+        if self.checkpoint_impl == "node" and self._node_fits(forward) and not self._recording():
             rebuild = self._embedding.rebuild_for(args) if self._embedding is not None else None
             graphs = self.graphs
             unread = self.skip_unread_output and self._compiled is None
@@ -350,6 +351,20 @@ class CheckpointedLayers:
             graphs.note_eager(key, out)
             return out
         return checkpoint(forward, *args, use_reentrant=False)
+
+    def _recording(self) -> bool:
+        """transformers records module outputs in this forward (a router loss's logits, hidden
+        states): the node's forward has no graph, so what it recorded would carry no gradient. Such
+        a forward runs the layers under torch's checkpoint, whose recorded outputs keep theirs."""
+        recorded = recorded_outputs()
+        if recorded and not self._said_recording:
+            self._said_recording = True
+            log.info(
+                "transformers records %s in this forward: the layers run under torch's checkpoint "
+                "(not the one-node checkpoint) so they carry their gradient",
+                ", ".join(recorded),
+            )
+        return bool(recorded)
 
     @staticmethod
     def _node_fits(forward) -> bool:
