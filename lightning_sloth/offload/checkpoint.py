@@ -12,8 +12,11 @@ it. torch's non-reentrant checkpoint packs and unpacks every tensor the layer's 
 through Python hooks, host time that a host-bound step pays per layer, twice; the node pays one
 ``apply`` and one nested backward. Like torch's checkpoint it replays the forward's random state
 (CPU, and the CUDA device of the inputs), so dropout draws the same masks. A layer called with a
-keyword tensor that needs a gradient takes torch's checkpoint (the node would give it none).
-``checkpoint_impl="torch"`` keeps torch's checkpoint for every layer (and is what FSDP2 takes).
+keyword tensor that needs a gradient takes torch's checkpoint (the node would give it none), and so
+does every layer of a forward in which transformers records module outputs (router logits for a
+load-balancing loss, hidden states): what the node's forward hands to those hooks has no graph.
+``checkpoint_impl="torch"`` keeps torch's checkpoint for every layer (what FSDP2 takes where it
+reshards a layer's weights after its forward).
 
 Two more savings, each with a switch on the controller: the node of the layer fed by a frozen
 plain input embedding keeps the token ids and looks the embedding up again in its backward
