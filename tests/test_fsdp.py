@@ -293,6 +293,7 @@ def test_automatic_resharding_keeps_a_lora_models_weights_gathered_where_they_fi
         (dict(checkpoint_impl="torch"), 10**12, (False, "torch", None)),
         (dict(reshard_after_forward=True), 10**12, (True, "torch", None)),
         (dict(reshard_after_forward=False, checkpoint_impl="node"), 10**3, (False, "node", 1)),
+        (dict(cpu_offload=True), 10**12, (True, "torch", None)),  # weights kept on the host
     ],
 )
 def test_the_strategy_pairs_the_node_with_gathered_weights(monkeypatch, given, memory, expected):

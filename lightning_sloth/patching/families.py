@@ -52,6 +52,12 @@ non-MoE layers) and the shared expert (Qwen2-MoE/Qwen3-Next/Qwen3.5-MoE behind t
 ``shared_expert_gate``, which stays transformers' ``nn.Linear``; DeepSeek/GLM's ``shared_experts``;
 Llama 4's ``shared_expert``), all ``down(act(gate(x)) * up(x))``. The hybrid families
 (qwen3_5_text, qwen3_5_moe_text, qwen3_next) also have linear-attention layers.
+
+The decoder layers of Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4-MoE and DeepSeek-V3 are Llama's line for
+line (Llama-order norms, all arguments by keyword) with an MoE block or a dense MLP as ``mlp``: the
+block returns the hidden states alone (transformers takes the router logits for the load-balancing
+loss from a forward hook on the router), so they take ``add_rms_norm`` too. GPT-OSS's ``mlp`` returns
+``(hidden_states, router_scores)`` and its norms round the weight product in fp32.
 """
 
 from __future__ import annotations
@@ -189,8 +195,9 @@ def _moe(
     rotary: bool = True,
     **columns,
 ) -> Family:
-    """An MoE family of Llama-order norms and rotate-half rotary (``rotary=False``: the attention
-    rotates another way, said in ``absent``) whose dense MLPs and shared experts are gated MLPs."""
+    """An MoE family of Llama-order norms, Llama's pre-norm decoder layer and rotate-half rotary
+    (``rotary=False``: the attention rotates another way, said in ``absent``) whose dense MLPs and
+    shared experts are gated MLPs."""
     return Family(
         package=package,
         norms=(f"{prefix}RMSNorm",),
@@ -203,6 +210,7 @@ def _moe(
         moe=load_balancing,
         experts=experts,
         routers=routers,
+        decoder_layers=(f"{prefix}DecoderLayer",),
         **columns,
     )
 
@@ -257,6 +265,7 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         experts=("Qwen3MoeExperts",),
         routers=("Qwen3MoeTopKRouter",),
+        decoder_layers=("Qwen3MoeDecoderLayer",),
     ),
     "mixtral": Family(
         package="mixtral",
@@ -270,6 +279,7 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         experts=("MixtralExperts",),
         routers=("MixtralTopKRouter",),
+        decoder_layers=("MixtralDecoderLayer",),
     ),
     "gpt_oss": Family(
         package="gpt_oss",

@@ -234,7 +234,8 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             keep them for the backward (``False``: one all-gather per layer and step instead of
             two, the whole model gathered at the peak). ``None`` (the default): keep them for a
             LoRA / QLoRA model whose gathered weights take at most a quarter of the GPU's memory,
-            reshard otherwise (full fine-tuning, a model built on the meta device, off CUDA; see
+            reshard otherwise (full fine-tuning, a model built on the meta device, ``cpu_offload``,
+            off CUDA; see
             :func:`~lightning_sloth.plugins.sharding.resolve_reshard_after_forward`). After
             setup the attribute holds the value applied.
         cpu_offload: FSDP2's ``CPUOffloadPolicy``: sharded weights, gradients and optimizer
@@ -385,6 +386,8 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         with resharding."""
         device = self.root_device
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        if self.cpu_offload:  # weights kept in host memory to spare the GPU: never hold them gathered
+            memory = None
         self.reshard_after_forward = resolve_reshard_after_forward(
             hf_model, self.reshard_after_forward, memory, policy
         )
