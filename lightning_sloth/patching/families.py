@@ -54,10 +54,11 @@ Llama 4's ``shared_expert``), all ``down(act(gate(x)) * up(x))``. The hybrid fam
 (qwen3_5_text, qwen3_5_moe_text, qwen3_next) also have linear-attention layers.
 
 The decoder layers of Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4-MoE and DeepSeek-V3 are Llama's line for
-line (Llama-order norms, all arguments by keyword) with an MoE block or a dense MLP as ``mlp``: the
-block returns the hidden states alone (transformers takes the router logits for the load-balancing
-loss from a forward hook on the router), so they take ``add_rms_norm`` too. GPT-OSS's ``mlp`` returns
-``(hidden_states, router_scores)`` and its norms round the weight product in fp32.
+line (Llama-order norms; the model passes all but the hidden states by keyword) with an MoE block or
+a dense MLP as ``mlp``: the block returns the hidden states alone (transformers takes the router
+logits for the load-balancing loss from a forward hook on the router), so they take ``add_rms_norm``
+too. GPT-OSS's does not: its ``mlp`` returns ``(hidden_states, router_scores)`` and its norms round
+the weight product in fp32.
 """
 
 from __future__ import annotations
