@@ -443,6 +443,14 @@ MORE_CASES = (
         True,
         dict(offload="on", checkpoint_impl="node", reshard_after_forward=False, **_ONE_STEP),
     ),
+    (
+        "node_unit2_gathered",
+        "llama",
+        True,
+        dict(
+            offload="on", checkpoint_impl="node", reshard_after_forward=False, layers_per_unit=2, **_ONE_STEP
+        ),
+    ),
     ("full", "llama", False, dict(layers_per_unit=1, **_ONE_STEP)),
     ("node_full", "llama", False, dict(checkpoint_impl="node", **_ONE_STEP)),
     # Both (tiny) decoder layers in one FSDP2 unit: the automatic grouping, and asked for.

@@ -151,7 +151,10 @@ def test_moe_layer_table_shows_the_fused_permutation_where_measured():
     for row, result in zip(rows, report["results"].values()):
         cells = row.strip("| ").split(" | ")
         assert cells[4].startswith(f"{result['sloth_fused']['median_ms']:.1f} ms")
-        assert cells[6] == f"{result['fused_speedup_vs_grouped_mm']:.2f}× / {result['fused_speedup_vs_sloth']:.2f}×"
+        assert (
+            cells[6]
+            == f"{result['fused_speedup_vs_grouped_mm']:.2f}× / {result['fused_speedup_vs_sloth']:.2f}×"
+        )
     plain = json.loads((RESULTS / "moe_layer_h100.json").read_text())
     assert "fused" not in bench_tables.render_moe_layer([plain], ["moe_layer_h100.json"], {})
 
@@ -163,8 +166,10 @@ def test_fp8_loss_table_says_which_target_is_met():
     assert set(rows) == set(report["results"])
     verdict = report["against_baseline"]["fp8"]
     expected = {True: "yes", False: "**no**"}
-    assert rows["fp8"].rstrip(" |").endswith(
-        f"{expected[verdict['loss_within_1pct']]} / {expected[verdict['exact_match_within_0_02']]}"
+    assert (
+        rows["fp8"]
+        .rstrip(" |")
+        .endswith(f"{expected[verdict['loss_within_1pct']]} / {expected[verdict['exact_match_within_0_02']]}")
     )
     assert f"({verdict['final_loss_relative']:+.1%})" in rows["fp8"]
     assert rows["bf16"].rstrip(" |").endswith("—")

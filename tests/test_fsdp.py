@@ -242,12 +242,33 @@ def test_gathered_weights_kept_for_the_backward_train_bit_for_bit_with_fewer_all
     layer inputs."""
     for rank in (0, 1):
         a, b = more_runs[rank]["node_gathered"], more_runs[rank]["node_offload"]
-        assert "fully_shard (2 decoder layers, gathered from forward to backward, then the root)" in a["report"]
+        assert (
+            "fully_shard (2 decoder layers, gathered from forward to backward, then the root)" in a["report"]
+        )
         assert "fully_shard (2 decoder layers, then the root)" in b["report"]
         assert a["losses"] == b["losses"]
         assert 0 < a["all_gathers"] < b["all_gathers"]
         assert a["offload"] == b["offload"]
     a, b = more_runs[0]["node_gathered"]["steps"][0], more_runs[0]["node_offload"]["steps"][0]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, grad in b["grads"].items():
+        assert torch.equal(a["grads"][name], grad), name
+
+
+def test_node_with_grouped_units_and_gathered_weights_trains_bit_for_bit(more_runs):
+    """The one-node checkpoint with both (tiny) layers in one FSDP2 unit, allowed where the weights
+    stay gathered from forward to backward: losses and gradients bit for bit those of one layer per
+    unit (hence one process's on the global batch), the offloader seeing the same inputs."""
+    for rank in (0, 1):
+        a, b = more_runs[rank]["node_unit2_gathered"], more_runs[rank]["node_gathered"]
+        assert (
+            "fully_shard (2 decoder layers, 2 per unit, gathered from forward to backward, then the root)"
+            in a["report"]
+        )
+        assert a["losses"] == b["losses"]
+        assert 0 < a["all_gathers"] <= b["all_gathers"]
+        assert a["offload"] == b["offload"]
+    a, b = more_runs[0]["node_unit2_gathered"]["steps"][0], more_runs[0]["node_gathered"]["steps"][0]
     assert a["grads"].keys() == b["grads"].keys()
     for name, grad in b["grads"].items():
         assert torch.equal(a["grads"][name], grad), name
@@ -301,9 +322,15 @@ def test_the_strategy_pairs_the_node_with_gathered_weights(monkeypatch, given, m
 
     strategy = SlothFSDPStrategy(**given)
     strategy.parallel_devices = [torch.device("cuda", 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=memory))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=memory)
+    )
     strategy._choose_resharding(_lora_model(), mixed_precision_policy("bf16-mixed"))
-    got = (strategy.reshard_after_forward, strategy.sloth_settings["checkpoint_impl"], strategy.layers_per_unit)
+    got = (
+        strategy.reshard_after_forward,
+        strategy.sloth_settings["checkpoint_impl"],
+        strategy.layers_per_unit,
+    )
     assert got == expected
 
 
@@ -354,6 +381,11 @@ def test_the_node_checkpoint_takes_one_layer_per_unit():
     assert SlothFSDPStrategy().layers_per_unit is None  # automatic
     with pytest.raises(ShardingError, match="checkpoint_impl='node' takes one decoder layer per FSDP2 unit"):
         SlothFSDPStrategy(checkpoint_impl="node", layers_per_unit=2)
+    with pytest.raises(ShardingError, match="keep the weights gathered"):
+        SlothFSDPStrategy(checkpoint_impl="node", layers_per_unit=2, reshard_after_forward=True)
+    grouped = SlothFSDPStrategy(checkpoint_impl="node", layers_per_unit=2, reshard_after_forward=False)
+    assert grouped.layers_per_unit == 2
+    assert SlothFSDPStrategy(checkpoint_impl="node", reshard_after_forward=False).layers_per_unit == 1
 
 
 @pytest.mark.parametrize("shape,per_unit", [("llama_3_2_1b", 4), ("llama_3_1_8b", 1), ("qwen3_14b", 1)])

@@ -275,7 +275,9 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
     results = [result for report in reports for result in report["results"].values()]
     nf4 = any("sloth_nf4" in result for result in results)
     fused = any("sloth_fused" in result for result in results)
-    impls = ["eager", "grouped_mm", "sloth"] + (["sloth_nf4"] if nf4 else []) + (["sloth_fused"] if fused else [])
+    impls = (
+        ["eager", "grouped_mm", "sloth"] + (["sloth_nf4"] if nf4 else []) + (["sloth_fused"] if fused else [])
+    )
     header = ["shape, experts", "transformers `eager`", "transformers `grouped_mm`", "lightning_sloth"]
     header += ["lightning_sloth, NF4 experts"] if nf4 else []
     header += ["lightning_sloth, fused permutation"] if fused else []
@@ -301,7 +303,10 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
             speed, memory = result.get("speedup_vs_grouped_mm"), result.get("memory_ratio_vs_grouped_mm")
             cells.append(f"{num(speed, '.2f')}×")
             if fused:
-                vs_mm, vs_sloth = result.get("fused_speedup_vs_grouped_mm"), result.get("fused_speedup_vs_sloth")
+                vs_mm, vs_sloth = (
+                    result.get("fused_speedup_vs_grouped_mm"),
+                    result.get("fused_speedup_vs_sloth"),
+                )
                 cells.append(f"{num(vs_mm, '.2f')}× / {num(vs_sloth, '.2f')}×")
             cells.append(num(memory, ".2f"))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -319,7 +324,13 @@ def render_fp8_loss(reports: list[dict], sources: list[str], params: dict) -> st
     variant, the final training loss (mean of the last steps) and its change against bf16, the
     validation loss and greedy exact match with its change, real tokens/s; and whether each
     variant meets the targets (loss within 1%, exact match within 0.02)."""
-    header = ["task, steps", "bases", "final train loss: mean of the last 20 steps (vs bf16)", "val loss", "val exact match (vs bf16)"]
+    header = [
+        "task, steps",
+        "bases",
+        "final train loss: mean of the last 20 steps (vs bf16)",
+        "val loss",
+        "val exact match (vs bf16)",
+    ]
     header += ["real tokens/s", "targets: loss within 1% / exact match within 0.02"]
     lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 3) + " --- |"]
     for report in reports:

@@ -268,8 +268,11 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             order that backward prefetching follows); its recompute runs inside the backward,
             where FSDP2 neither reshards nor records, so a layer is gathered once in the forward
             and once (prefetched) in the backward, as with torch's checkpoint. The node takes
-            one layer per FSDP2 unit (with several, a unit's weights were found resharded
-            before its other layers' recompute on two GPUs).
+            one layer per FSDP2 unit where the weights are resharded after the forward (with
+            several, a unit's weights were found resharded before its other layers' recompute on
+            two GPUs); with ``reshard_after_forward=False`` an explicit ``layers_per_unit`` groups
+            layers under the node too (bit for bit as one layer per unit on two CPU processes; not
+            yet measured on GPUs, so never chosen automatically).
         *args, **kwargs: :class:`SlothStrategy`'s transformation settings; ``process_group_backend``
             and ``timeout`` go to ``ModelParallelStrategy``.
 
@@ -312,12 +315,14 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.layers_per_unit = check_layers_per_unit(layers_per_unit)
         if self.sloth_settings["checkpoint_impl"] == "node":
-            if self.layers_per_unit not in (None, 1):
+            if self.layers_per_unit not in (None, 1) and reshard_after_forward is not False:
                 raise ShardingError(
-                    f"checkpoint_impl='node' takes one decoder layer per FSDP2 unit, got "
-                    f"layers_per_unit={layers_per_unit!r}: use checkpoint_impl='torch' to group layers"
+                    f"checkpoint_impl='node' takes one decoder layer per FSDP2 unit where the unit's "
+                    f"weights are resharded after its forward, got layers_per_unit={layers_per_unit!r}: "
+                    f"use checkpoint_impl='torch' to group layers, or keep the weights gathered "
+                    f"(reshard_after_forward=False)"
                 )
-            self.layers_per_unit = 1
+            self.layers_per_unit = self.layers_per_unit or 1
 
     def _configure_launcher(self) -> None:
         if self.num_nodes * self.num_processes < 2:
