@@ -61,9 +61,14 @@ FAMILY_CASES = {
         "Qwen3MoeConfig",
         dict(_MOE, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[1]),
         "sdpa",
-        dict(rms_norm=9, rope=2, glu=1),
+        dict(rms_norm=9, rope=2, glu=1, add_rms_norm=2),
     ),
-    "mixtral": ("MixtralConfig", dict(_MOE, num_local_experts=4), "sdpa", dict(rms_norm=5, rope=2, glu=0)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(_MOE, num_local_experts=4),
+        "sdpa",
+        dict(rms_norm=5, rope=2, glu=0, add_rms_norm=2),
+    ),
     "gpt_oss": (
         "GptOssConfig",
         {**_MOE, **_WINDOWED, "num_local_experts": 4, "intermediate_size": 32},
