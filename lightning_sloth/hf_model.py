@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils.output_capturing import _active_collector
 
 __all__ = [
     "base_model",
@@ -99,7 +100,5 @@ def recorded_outputs() -> list[str]:
     gradient, so a router load-balancing loss built from them would train nothing. The
     checkpointing asks this before running a layer as one node.
     """
-    from transformers.utils.output_capturing import _active_collector
-
     collected = _active_collector.get()
     return [key for key in collected or () if not key.startswith("_")]
