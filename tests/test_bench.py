@@ -35,6 +35,15 @@ def test_ablation_systems_resolve_and_unknown_names_are_named():
         resolve_system("fast")
 
 
+def test_the_harness_takes_the_suites_loop_systems():
+    from lightning_sloth.bench.systems import SUITE_SYSTEMS
+
+    fp8 = SUITE_SYSTEMS["sloth_fp8"]
+    assert resolve_system("sloth_fp8") == (fp8.setup, fp8.batches)
+    with pytest.raises(SystemExit, match="sloth_fp8"):  # listed among the known names
+        resolve_system("fast")
+
+
 def test_budget_systems_parse_their_size_and_reject_bad_ones():
     resolve_system("sloth_kernels_offload_budget_4gib")
     resolve_system("sloth_kernels_offload_budget_0.5gib")

@@ -118,10 +118,15 @@ KERNEL_OPS = OPS  # the ops apply_kernels can install, each switched off in an a
 
 
 def resolve_system(name: str) -> tuple[Callable, Callable]:
-    """A system by name: one of :data:`SYSTEMS`, ``sloth_kernels_without_<op>`` (ablation) or
-    ``sloth_kernels_offload_budget_<N>gib`` (offload with a memory plan for N GiB of activations)."""
+    """A system by name: one of :data:`SYSTEMS`, a loop system of :data:`SUITE_SYSTEMS` (``sloth_fp8``,
+    ``sloth_nf4``, ...: so the harness can profile a step of any of them),
+    ``sloth_kernels_without_<op>`` (ablation) or ``sloth_kernels_offload_budget_<N>gib`` (offload
+    with a memory plan for N GiB of activations)."""
     if name in SYSTEMS:
         return SYSTEMS[name]
+    suite = SUITE_SYSTEMS.get(name)
+    if suite is not None and suite.setup is not None and suite.batches is not None:
+        return suite.setup, suite.batches
     ablation, budget = "sloth_kernels_without_", "sloth_kernels_offload_budget_"
     if name.startswith(ablation) and name[len(ablation) :] in KERNEL_OPS:
         op = name[len(ablation) :]
@@ -135,7 +140,8 @@ def resolve_system(name: str) -> tuple[Callable, Callable]:
         budget_bytes = -1
     if budget_bytes >= 0:
         return sloth_setup(kernels=True, offload="on", memory_budget=budget_bytes), packed_batches
-    known = sorted(SYSTEMS) + [ablation + o for o in KERNEL_OPS] + [budget + "<N>gib"]
+    loops = [n for n, system in SUITE_SYSTEMS.items() if system.setup is not None and n not in SYSTEMS]
+    known = sorted(SYSTEMS) + sorted(loops) + [ablation + o for o in KERNEL_OPS] + [budget + "<N>gib"]
     raise SystemExit(f"unknown system {name!r}; choose from {known}")
 
 
