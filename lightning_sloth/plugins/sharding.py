@@ -259,6 +259,15 @@ to its backward when the whole model, gathered in the compute dtype, takes at mo
 the GPU's memory."""
 
 
+def check_reshard_after_forward(reshard_after_forward: object) -> bool | None:
+    """``reshard_after_forward`` if it is ``True``, ``False`` or ``None``; else :class:`ShardingError`."""
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ShardingError(
+            f"reshard_after_forward takes True, False or None (automatic), got {reshard_after_forward!r}"
+        )
+    return reshard_after_forward
+
+
 def resolve_reshard_after_forward(
     hf_model: nn.Module,
     reshard_after_forward: bool | None,
@@ -288,11 +297,7 @@ def resolve_reshard_after_forward(
     Raises:
         ShardingError: anything but ``True``, ``False`` or ``None``.
     """
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ShardingError(
-            f"reshard_after_forward takes True, False or None (automatic), got {reshard_after_forward!r}"
-        )
-    if reshard_after_forward is not None:
+    if check_reshard_after_forward(reshard_after_forward) is not None:
         return reshard_after_forward
     params = list(hf_model.parameters())
     if device_memory is None or any(p.is_meta for p in params):

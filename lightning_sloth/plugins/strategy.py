@@ -31,6 +31,7 @@ from lightning_sloth.plugins.shard_init import materialize_shards, weight_source
 from lightning_sloth.plugins.sharding import (
     ShardingError,
     check_layers_per_unit,
+    check_reshard_after_forward,
     convert_before_sharding,
     frozen_to_replicate,
     full_state_dict,
@@ -307,11 +308,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self._start_method = start_method
-        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-            raise ShardingError(
-                f"reshard_after_forward takes True, False or None (automatic), got {reshard_after_forward!r}"
-            )
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
         self.cpu_offload = cpu_offload
         self.layers_per_unit = check_layers_per_unit(layers_per_unit)
         if self.sloth_settings["checkpoint_impl"] == "node":
