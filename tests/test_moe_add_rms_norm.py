@@ -18,8 +18,8 @@ import copy
 import pytest
 import torch
 from _models import packed_batch, random_documents
+from test_moe_family_ops import CONFIGS as _SHARED_EXPERT_CONFIGS
 from test_moe_family_ops import (
-    _COMMON,
     LENGTHS,
     PAD_TO,
     VOCAB,
@@ -27,9 +27,8 @@ from test_moe_family_ops import (
     _doc_loss_sum,
     _rel,
 )
-from test_moe_family_ops import CONFIGS as _SHARED_EXPERT_CONFIGS
+from test_moe_family_ops import tiny as _tiny
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_sloth.patching import FAMILIES
 from lightning_sloth.patching import _forwards as forwards
@@ -56,20 +55,8 @@ LAYERS = 3
 
 
 def tiny(family: str, seed: int = 0, **overrides) -> nn.Module:
-    """Random float32 causal LM of ``family`` in train mode, norm weights off their init and the
-    score-correction biases spread so that they change the routing."""
-    config = AutoConfig.for_model(family, **{**_COMMON, **CONFIGS[family], **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.2)
-    assert all(p.requires_grad for p in model.parameters())
-    return model.train()
+    """:func:`test_moe_family_ops.tiny` with this file's :data:`CONFIGS`."""
+    return _tiny(family, seed, configs=CONFIGS, **overrides)
 
 
 def _counting_add_rms_norm(monkeypatch) -> list[int]:

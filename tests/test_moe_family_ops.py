@@ -19,8 +19,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _models import packed_batch, random_documents
+from test_families_moe import _COMMON as _FAMILIES_COMMON
+from test_families_moe import _GROUPED, LENGTHS, PAD_TO, VOCAB, _doc_loss_sum, _rel
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -30,21 +31,7 @@ from lightning_sloth.transform import transform_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")
 
-VOCAB = 96
-LENGTHS = [9, 1, 17, 6]  # odd lengths and a one-token document
-PAD_TO = 40
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-    initializer_range=0.2,
-    attn_implementation="sdpa",
-)
-_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+_COMMON = {**_FAMILIES_COMMON, "num_hidden_layers": 3}
 CONFIGS = {
     # mlp_only_layers=[0]: a dense layer, then two MoE layers (gated shared expert)
     "qwen2_moe": dict(
@@ -74,10 +61,12 @@ COUNTS = {
 }
 
 
-def tiny(family: str, seed: int = 0, **overrides) -> nn.Module:
-    """Random float32 causal LM of ``family`` in train mode, norm weights off their init and the
+def tiny(family: str, seed: int = 0, configs: dict | None = None, **overrides) -> nn.Module:
+    """Random float32 causal LM of ``family`` (its entry of ``configs``, by default this file's
+    :data:`CONFIGS`) in train mode, every parameter trainable, norm weights off their init and the
     score-correction biases spread so that they change the routing."""
-    config = AutoConfig.for_model(family, **{**_COMMON, **CONFIGS[family], **overrides})
+    family_config = (CONFIGS if configs is None else configs)[family]
+    config = AutoConfig.for_model(family, **{**_COMMON, **family_config, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
@@ -87,12 +76,8 @@ def tiny(family: str, seed: int = 0, **overrides) -> nn.Module:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
+    assert all(p.requires_grad for p in model.parameters())
     return model.train()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _assert_same_gradients(model: nn.Module, reference: nn.Module) -> None:
@@ -142,11 +127,6 @@ def test_deepseek_v3_attention_keeps_its_own_forward_in_either_rotary_layout(rop
 
 
 # --------------------------------------------------------------------------------- packed parity
-def _doc_loss_sum(model: nn.Module, doc: list[int]) -> torch.Tensor:
-    logits = model(input_ids=torch.tensor([doc])).logits[0]
-    return F.cross_entropy(logits[:-1].double(), torch.tensor(doc[1:], dtype=torch.int64), reduction="sum")
-
-
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_packed_row_equals_each_document_alone_in_loss_and_every_gradient(family):
     reference = tiny(family, seed=1)
