@@ -175,6 +175,19 @@ def test_fp8_loss_table_says_which_target_is_met():
     assert rows["bf16"].rstrip(" |").endswith("—")
 
 
+def test_long_context_table_has_a_column_per_step_and_every_category():
+    names = ["long_context_llama_3_1_8b_16k_nf4_h100.json", "long_context_llama_3_1_8b_352256_nf4_h100.json"]
+    reports = [json.loads((RESULTS / name).read_text()) for name in names]
+    table = bench_tables.render_long_context(reports, names, {})
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ")[1:] for line in table.splitlines()[2:]}
+    assert rows["fits"] == ["yes", "yes"]
+    assert rows["peak allocated (reserved)"][0].startswith(f"{reports[0]['peak_allocated_gib']:.2f} GiB")
+    for row in reports[0]["accounting"]["rows"]:
+        cells = rows[f"{row['part']}: {row['category']}"]
+        assert cells == [f"{row['gib']:.2f} GiB", "—"]  # the 352k step ran without the accounting
+    assert rows["peak at"][0] == f"`{reports[0]['accounting']['peak_site'].split(' < ')[0]}`"
+
+
 def test_report_rewrites_the_readme_and_every_doc_and_check_names_the_stale_one(tmp_path, capsys):
     results, args = _project(tmp_path)
     assert bench_report.main([*args, "--check"]) == 1

@@ -380,6 +380,11 @@ SUITE_SYSTEMS.update(
         "sloth_nf4_offload": SuiteSystem(
             'lightning_sloth, quantize="nf4" + offload="on"', _sloth_4bit(offload="on"), packed_batches
         ),
+        "sloth_nf4_planned": SuiteSystem(
+            'lightning_sloth, quantize="nf4" + memory plan for the whole card (offload="auto", memory_budget="auto")',
+            _sloth_4bit(offload="auto", memory_budget="auto"),
+            packed_batches,
+        ),
         "sloth_trainer_nf4": SuiteSystem(
             'lightning_sloth: Trainer + SlothPrecision("bf16-mixed", quantize="nf4") (user path)',
             trainer=partial(run_trainer_system, quantize="nf4"),

@@ -515,3 +515,55 @@ def render_offload(reports: list[dict], sources: list[str], params: dict) -> str
         cells = [values.get(setup, DASH) for _, values in columns]
         lines.append(f"| {OFFLOAD_SETUPS.get(setup, setup)} | " + " | ".join(cells) + " |")
     return env_caption(reports, sources) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def _peak_site(record: dict) -> str:
+    site = (record.get("accounting") or {}).get("peak_site")
+    return f"`{site.split(' < ')[0]}`" if site else DASH
+
+
+def render_long_context(reports: list[dict], sources: list[str], params: dict) -> str:
+    """One-step records of ``benchmarks/long_context_bench.py step`` (``--account``): a column per
+    file with its shape, base, sequence length, settings, whether the step fit, its peak and time,
+    then every GiB of the step by category where the file has the accounting."""
+    columns = [f"{r['shape']} {r['base']} {r['tokens']:,}" for r in reports]
+    categories: list[tuple[str, str]] = []
+    for r in reports:
+        for row in (r.get("accounting") or {}).get("rows", []):
+            if (row["part"], row["category"]) not in categories:
+                categories.append((row["part"], row["category"]))
+
+    def setting(r: dict) -> str:
+        parts = [f"offload {r.get('offload')}", f"MLP chunks {r.get('mlp_chunk_tokens')}"]
+        if r.get("memory_budget"):
+            parts.append(f"budget {r['memory_budget']}")
+        return ", ".join(parts)
+
+    rows = [
+        ("settings", [setting(r) for r in reports]),
+        ("fits", ["yes" if r.get("fits") else "**no**" for r in reports]),
+        (
+            "peak allocated (reserved)",
+            [
+                f"{num(r.get('peak_allocated_gib'), '.2f')} GiB ({num(r.get('peak_reserved_gib'), '.2f')})"
+                for r in reports
+            ],
+        ),
+        ("one step (cold)", [f"{num(r.get('step_seconds'), '.1f')} s" for r in reports]),
+        ("loss", [num(r.get("loss"), ".3f") for r in reports]),
+        ("peak at", [_peak_site(r) for r in reports]),
+    ]
+    for part, category in categories:
+        cells = []
+        for r in reports:
+            found = [
+                x["gib"]
+                for x in (r.get("accounting") or {}).get("rows", [])
+                if (x["part"], x["category"]) == (part, category)
+            ]
+            cells.append(f"{found[0]:.2f} GiB" if found else DASH)
+        rows.append((f"{part}: {category}", cells))
+    header = ["", *columns]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(columns)]
+    lines += [f"| {md_cell(title)} | " + " | ".join(md_cell(c) for c in cells) + " |" for title, cells in rows]
+    return env_caption(reports, sources, "one full AdamW step per file") + "\n\n" + "\n".join(lines) + "\n"
