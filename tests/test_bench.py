@@ -72,3 +72,49 @@ def test_gpu_busy_time_is_the_union_of_kernel_intervals():
         event(0, 9000, torch.autograd.DeviceType.CPU),
     ]
     assert gpu_busy_ms(events) == 2.0
+
+
+def test_micro_batched_peer_steps_hold_the_packed_steps_documents_and_train_alike():
+    """``hf_packed_varlen_microN``: the same documents per optimizer step as the one-row step, split
+    into N packed rows whose accumulated loss and gradients equal the one row's (float32, CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_sloth.attention import enable_packed_attention
+    from lightning_sloth.bench.systems import SUITE_SYSTEMS
+    from lightning_sloth.bench.workload import packed_batches, packed_micro_batches, split_documents
+
+    assert split_documents([5, 1, 4, 3], 2) == [[0, 1], [2, 3]]
+    assert split_documents([7], 4) == [[0]]
+    with pytest.raises(ValueError, match="parts"):
+        split_documents([1], 0)
+    assert SUITE_SYSTEMS["hf_packed_varlen_micro4"].batches.keywords == {"parts": 4}
+
+    workload = Workload(tokens_per_step=256, median_len=40, min_len=8, max_len=128)
+    samples = workload.samples(vocab=97)[:24]
+    whole = list(packed_batches(workload, samples, 0))
+    split = list(packed_micro_batches(workload, samples, 0, parts=3))
+    assert len(whole) == len(split)
+    for (rows, *counts), (micro, *micro_counts) in zip(whole, split):
+        assert counts == micro_counts and 1 <= len(micro) <= 3  # tokens, sum of squares, targets
+        tokens = sorted(t for m in micro for t in m["input_ids"][0].tolist() if t != 0)  # 0: padding
+        assert tokens == sorted(t for t in rows[0]["input_ids"][0].tolist() if t != 0)
+    assert max(len(micro) for micro, *_ in split) == 3
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False,
+    )
+    model = LlamaForCausalLM(config)
+    enable_packed_attention(model)
+    (rows, _, _, targets), (micro, *_) = whole[0], split[0]
+    num_items = torch.tensor(targets)
+    results = []
+    for batches in (rows, micro):
+        model.zero_grad()
+        loss = sum(model(**inputs, num_items_in_batch=num_items).loss for inputs in batches)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for one, accumulated in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(accumulated, one, rtol=1e-4, atol=1e-6)

@@ -66,6 +66,7 @@ from lightning_sloth.bench.workload import (
     build_model,
     hf_padded_batches,
     packed_batches,
+    packed_micro_batches,
     quantized_base_model,
     static_packed_batches,
 )
@@ -251,6 +252,15 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "hf_packed_varlen": SuiteSystem(
         "transformers + PEFT, packed rows, varlen attention", peers.peft_varlen, packed_batches
     ),
+    **{
+        f"hf_packed_varlen_micro{parts}": SuiteSystem(
+            f"transformers + PEFT, packed rows, varlen attention, {parts} packed micro-batches per step "
+            "(gradients accumulated)",
+            peers.peft_varlen,
+            partial(packed_micro_batches, parts=parts),
+        )
+        for parts in (2, 4, 8)
+    },
     "hf_packed_varlen_per_layer": SuiteSystem(
         "transformers + PEFT, packed rows, varlen attention, metadata derived per layer",
         peers.per_layer_metadata(peers.peft_varlen),

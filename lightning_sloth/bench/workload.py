@@ -282,6 +282,41 @@ def packed_batches(
         yield [inputs], batch.num_tokens, batch.sum_sq_seqlens, batch.num_target_tokens
 
 
+def split_documents(lengths: list[int], parts: int) -> list[list[int]]:
+    """Indices of ``lengths`` in ``parts`` groups of nearly equal token counts (each document to the
+    lightest group, longest first); groups keep their documents in the original order."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    groups: list[list[int]] = [[] for _ in range(min(parts, len(lengths)))]
+    loads = [0] * len(groups)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(i)
+        loads[lightest] += lengths[i]
+    return [sorted(g) for g in groups if g]
+
+
+def packed_micro_batches(
+    workload: Workload, samples, pad_id: int, parts: int = 4
+) -> Iterator[tuple[list[dict], int, int, int]]:
+    """:func:`packed_batches`' steps (the same documents per optimizer step), each as ``parts``
+    packed rows run one after the other with the gradients accumulated: what a user of a model
+    whose one 16k-token row does not fit runs."""
+    from lightning_sloth.data import PackedCollator, pack_best_fit_decreasing
+
+    collate = PackedCollator(max_tokens=workload.tokens_per_step, pad_token_id=pad_id)
+    for idx in pack_best_fit_decreasing([len(s[0]) for s in samples], workload.tokens_per_step):
+        step = [samples[i] for i in idx]
+        micro, tokens, sum_sq, targets = [], 0, 0, 0
+        for group in split_documents([len(s[0]) for s in step], parts):
+            batch = collate([step[i] for i in group])
+            micro.append(batch.model_inputs() | {"labels": batch.labels})
+            tokens += batch.num_tokens
+            sum_sq += batch.sum_sq_seqlens
+            targets += batch.num_target_tokens
+        yield micro, tokens, sum_sq, targets
+
+
 def static_packed_batches(
     workload: Workload, samples, pad_id: int
 ) -> Iterator[tuple[list[dict], int, int, int]]:
