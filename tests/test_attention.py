@@ -347,3 +347,41 @@ def test_enable_on_plain_and_peft_models():
 def test_enable_rejects_non_transformers_module():
     with pytest.raises(TypeError, match="needs a transformers PreTrainedModel"):
         enable_packed_attention(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("window, chunk, sinks", [(None, None, False), (48, None, False), (None, 80, True)])
+def test_sdpa_in_query_tiles_equals_the_whole_row_mask(window, chunk, sinks):
+    """A long packed row of short documents runs SDPA in query tiles, each against the keys its
+    queries can reach (``masked.band_reach``): output and every input gradient equal the one
+    ``[T, T]`` mask's (float64), padded tail and attention sinks included."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 200, (24,), generator=generator).tolist()
+    real = sum(lengths)
+    seq_len = real + 29  # positions past cu_seqlens[-1]: padding
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (
+        torch.randn(1, h, seq_len, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+        for h in (6, 2, 2)
+    )
+    sink = torch.randn(6, dtype=torch.float64, generator=generator) if sinks else None
+    grad = torch.randn(1, seq_len, 6, 16, dtype=torch.float64, generator=generator)
+    grad[:, real:] = 0
+    tile, reach = masked.band_reach(seq_len, max(lengths), window, chunk)
+    assert reach == min(x for x in (max(lengths), window, chunk) if x is not None) and tile % 64 == 0
+    results = []
+    for max_len in (None, max(lengths)):  # None: the whole-row mask
+        masked._MASKS.clear()
+        out = masked.sdpa_packed(q, k, v, cu_seqlens, 0.3, window, sink, chunk, max_len)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for whole, tiled in zip(*results):
+        torch.testing.assert_close(tiled[..., :real, :], whole[..., :real, :], rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(results[1][0]).all()
+
+
+def test_band_reach_takes_tiles_only_where_they_save_work():
+    assert masked.band_reach(16384, None, None, None) is None  # no host length: the whole mask
+    assert masked.band_reach(16384, 2048, None, None) == (2048, 2048)  # 4x fewer scores
+    assert masked.band_reach(16384, 2048, 1024, None) == (1024, 1024)
+    assert masked.band_reach(16384, 30, None, None) == (64, 30)
+    assert masked.band_reach(4096, 4000, None, None) is None  # one long document: nothing to save
+    assert masked.band_reach(100, 60, None, None) is None

@@ -28,8 +28,11 @@ Backends (:func:`set_packed_attention_backend`):
 * ``"flex"``: FlexAttention with a document-causal ``BlockMask``, built block-sparse straight from
   ``cu_seqlens`` (``O((T/128)^2)``, never a ``[T, T]`` mask) and compiled on CUDA. On CPU it runs
   forward only (torch has no CPU flex backward).
-* ``"sdpa"``: ``scaled_dot_product_attention`` with a ``[T, T]`` block-diagonal causal bool mask.
-  Works everywhere, float32 included, forward and backward; ``O(T^2)`` memory.
+* ``"sdpa"``: ``scaled_dot_product_attention`` with a document-causal bool mask. Works everywhere,
+  float32 included, forward and backward. Where the longest document (or window, or chunk) is short
+  against the row, the queries go in tiles, each against only the keys its queries can reach
+  (``[T / tile]`` masks of ``tile x (tile + reach)``: about ``2 T reach`` scores instead of ``T^2``);
+  otherwise one ``[T, T]`` mask (``O(T^2)`` memory).
 * ``"auto"`` (default): ``"varlen"`` where it can run (CUDA, fp16/bf16, head_dim a multiple of 8
   up to 256), else ``"sdpa"``. An explicitly chosen backend that cannot serve an input (e.g.
   ``"varlen"`` with float32) falls back to ``"sdpa"`` with a warning, so every dtype stays correct.

@@ -55,8 +55,16 @@ def flex_packed(query, key, value, cu_seqlens, scaling, window, sinks=None, chun
     return out.transpose(1, 2).contiguous()
 
 
-def sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks=None, chunk=None) -> Tensor:
+def sdpa_packed(
+    query, key, value, cu_seqlens, scaling, window, sinks=None, chunk=None, max_len: int | None = None
+) -> Tensor:
+    """SDPA over a packed row with a document-causal mask: in query tiles (:func:`band_tiles`)
+    where ``max_len`` (the longest document, a host int) makes the reach of a query short against
+    the row, else one ``[T, T]`` mask. Returns ``[1, T, Hq, Dv]``."""
     seq_len = query.shape[2]
+    reach = band_reach(seq_len, max_len, window, chunk)
+    if reach is not None:
+        return _sdpa_banded(query, key, value, cu_seqlens, scaling, window, sinks, chunk, *reach)
     mask = _MASKS.get(
         cu_seqlens,
         ("dense", seq_len, window, chunk),
@@ -69,6 +77,76 @@ def sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks=None, chun
         query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling
     )
     return out.transpose(1, 2).contiguous()
+
+
+BAND_TILE_MULTIPLE = 64
+
+
+def band_reach(seq_len: int, max_len: int | None, window: int | None, chunk: int | None) -> tuple[int, int] | None:
+    """``(tile, reach)`` for :func:`sdpa_packed`'s tiles, or None where one dense mask costs less.
+
+    A query sees keys at most ``reach - 1`` positions back (its document, window or chunk piece is
+    at most ``reach`` long), so a tile of ``tile`` queries needs the ``tile + reach`` keys that end
+    with it. Tiles of ``reach`` rounded up to a multiple of 64 make ``2 T reach`` scores instead of
+    ``T^2``; taken where that is at most half.
+    """
+    if max_len is None:
+        return None
+    reach = min(x for x in (max_len, window, chunk, seq_len) if x is not None)
+    tile = -(-max(reach, 1) // BAND_TILE_MULTIPLE) * BAND_TILE_MULTIPLE
+    tiles = -(-seq_len // tile)
+    if tiles < 2 or tiles * tile * (tile + reach) > seq_len * seq_len // 2:
+        return None
+    return tile, reach
+
+
+def band_tiles(cu_seqlens: Tensor, seq_len: int, window: int | None, tile: int, reach: int) -> Tensor:
+    """``[n, 1, tile, tile + reach]`` bool masks of :func:`sdpa_packed`'s query tiles, True where
+    query ``i`` of tile ``t`` (position ``t * tile + i``) may attend key ``j`` (position
+    ``t * tile - reach + j``): same document, not later, inside the window. Positions before the
+    row or past its end are padding: a padded query sees the padded keys up to itself (so no row
+    is empty), and no real query sees padding."""
+    tiles = -(-seq_len // tile)
+    device = cu_seqlens.device
+    doc = document_ids(cu_seqlens, seq_len).long()
+    padded = tiles * tile
+    doc = torch.cat([doc.new_full((reach,), -2), doc, doc.new_full((padded - seq_len,), -1)])
+    starts = torch.arange(tiles, device=device)[:, None] * tile
+    query_pos = starts + torch.arange(tile, device=device)  # [n, tile]
+    key_pos = starts - reach + torch.arange(tile + reach, device=device)  # [n, tile + reach]
+    distance = query_pos[:, :, None] - key_pos[:, None, :]
+    query_doc, key_doc = doc[query_pos + reach], doc[key_pos + reach]
+    keep = (query_doc[:, :, None] == key_doc[:, None, :]) & (distance >= 0)
+    if window is not None:
+        keep &= distance < window
+    return keep[:, None]
+
+
+def _windows(x: Tensor, tile: int, reach: int, tiles: int) -> Tensor:
+    """``[1, H, T, D]`` -> ``[n, H, tile + reach, D]``: the keys (or values) each query tile reads."""
+    seq_len = x.shape[2]
+    x = F.pad(x, (0, 0, reach, tiles * tile - seq_len))
+    return x.unfold(2, tile + reach, tile)[0].permute(1, 0, 3, 2)
+
+
+def _sdpa_banded(query, key, value, cu_seqlens, scaling, window, sinks, chunk, tile, reach) -> Tensor:
+    batch, heads, seq_len, _ = query.shape
+    tiles = -(-seq_len // tile)
+    mask = _MASKS.get(
+        cu_seqlens,
+        ("band", seq_len, window, chunk, tile, reach),
+        lambda: band_tiles(chunked_segments(cu_seqlens, seq_len, chunk), seq_len, window, tile, reach),
+    )
+    queries = F.pad(query, (0, 0, 0, tiles * tile - seq_len))[0].unflatten(1, (tiles, tile)).transpose(0, 1)
+    keys, values = _windows(key, tile, reach, tiles), _windows(value, tile, reach, tiles)
+    if sinks is not None:
+        out = attention_with_sinks(queries, keys, values, mask, scaling, sinks)  # [n, tile, H, Dv]
+    else:
+        groups = heads // key.shape[1]
+        out = F.scaled_dot_product_attention(
+            queries, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask, scale=scaling
+        ).transpose(1, 2)
+    return out.reshape(1, tiles * tile, heads, out.shape[-1])[:, :seq_len].contiguous()
 
 
 @functools.cache

@@ -243,7 +243,7 @@ def _packed_attention(
     elif backend == "flex":
         out = flex_packed(query, key, value, cu_seqlens, scaling, window, sinks, chunk)
     else:
-        out = sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks, chunk)
+        out = sdpa_packed(query, key, value, cu_seqlens, scaling, window, sinks, chunk, max(max_q, max_k))
     return out, None
 
 

@@ -31,11 +31,25 @@ OVERRIDES = {
 
 @pytest.mark.parametrize("model_type", ["phi3", "gemma4_text", "granite", "llama4_text", "olmo2", "olmo3"])
 def test_packed_row_equals_each_document_alone_bf16(model_type):
+    _check_packed_row(model_type, [700, 1, 65, 300, 129])
+
+
+def test_gemma4_global_heads_run_sdpa_in_query_tiles_bf16():
+    """Many short documents: the 512-dim global heads, past the varlen kernel, take SDPA in query
+    tiles (``masked.band_reach``), and still equal each document alone."""
+    from lightning_sloth.attention import masked
+
+    lengths = torch.randint(1, 120, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert masked.band_reach(sum(lengths), max(lengths), None, None) is not None
+    _check_packed_row("gemma4_text", lengths)
+
+
+def _check_packed_row(model_type, lengths):
     reference = tiny(model_type, **WIDE, **OVERRIDES.get(model_type, {})).cuda().to(torch.bfloat16)
     model = copy.deepcopy(reference)
     report = transform_model(model, kernels=True, moe=False).kernels
     assert {op: n for op, n in report.counts.items() if n} == CASES[model_type][2]
-    docs = random_documents([700, 1, 65, 300, 129], seed=4, vocab=VOCAB)
+    docs = random_documents(lengths, seed=4, vocab=VOCAB)
     batch = packed_batch(docs).to("cuda")
     truth = copy.deepcopy(reference).float()
     loss = model(**batch.model_inputs(), labels=batch.labels).loss
