@@ -89,6 +89,8 @@ SYSTEMS = {
     "sloth_nf4": (sloth_system(True), packed_batches),
     "sloth_nf4_offload": (sloth_system(True, offload="on"), packed_batches),
     "sloth_nf4_planned": (sloth_system(True, offload="auto", memory_budget="auto"), packed_batches),
+    # the MLP over 8,192-token chunks: the 14B's 16k step under 14 GiB (its warm speed is the question)
+    "sloth_nf4_offload_mlp8k": (sloth_system(True, offload="on", mlp_chunk_tokens=8192), packed_batches),
     "hf_bnb_packed": (hf_bnb_system, packed_batches),
     "hf_bnb_padded": (hf_bnb_system, hf_padded_batches),
 }
