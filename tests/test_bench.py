@@ -102,8 +102,15 @@ def test_micro_batched_peer_steps_hold_the_packed_steps_documents_and_train_alik
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+        use_cache=False,
     )
     model = LlamaForCausalLM(config)
     enable_packed_attention(model)

@@ -179,7 +179,10 @@ def test_long_context_table_has_a_column_per_step_and_every_category():
     names = ["long_context_llama_3_1_8b_16k_nf4_h100.json", "long_context_llama_3_1_8b_352256_nf4_h100.json"]
     reports = [json.loads((RESULTS / name).read_text()) for name in names]
     table = bench_tables.render_long_context(reports, names, {})
-    rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ")[1:] for line in table.splitlines()[2:]}
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ")[1:]
+        for line in table.splitlines()[2:]
+    }
     assert rows["fits"] == ["yes", "yes"]
     assert rows["peak allocated (reserved)"][0].startswith(f"{reports[0]['peak_allocated_gib']:.2f} GiB")
     for row in reports[0]["accounting"]["rows"]:

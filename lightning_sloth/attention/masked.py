@@ -82,7 +82,9 @@ def sdpa_packed(
 BAND_TILE_MULTIPLE = 64
 
 
-def band_reach(seq_len: int, max_len: int | None, window: int | None, chunk: int | None) -> tuple[int, int] | None:
+def band_reach(
+    seq_len: int, max_len: int | None, window: int | None, chunk: int | None
+) -> tuple[int, int] | None:
     """``(tile, reach)`` for :func:`sdpa_packed`'s tiles, or None where one dense mask costs less.
 
     A query sees keys at most ``reach - 1`` positions back (its document, window or chunk piece is

@@ -565,5 +565,7 @@ def render_long_context(reports: list[dict], sources: list[str], params: dict) -
         rows.append((f"{part}: {category}", cells))
     header = ["", *columns]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(columns)]
-    lines += [f"| {md_cell(title)} | " + " | ".join(md_cell(c) for c in cells) + " |" for title, cells in rows]
+    lines += [
+        f"| {md_cell(title)} | " + " | ".join(md_cell(c) for c in cells) + " |" for title, cells in rows
+    ]
     return env_caption(reports, sources, "one full AdamW step per file") + "\n\n" + "\n".join(lines) + "\n"
