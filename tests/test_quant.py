@@ -151,6 +151,49 @@ def test_opcheck():
     torch.library.opcheck(_lora_4bit_op, (x, q.packed, q.absmax, q.code, 64, a, b, 0.5))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_lora_linear_4bit_overwrite_input_gives_the_same_gradients_in_the_inputs_memory(layout):
+    """``overwrite_input=True``: x's gradient lands in x's memory, bit for bit the one the plain
+    backward allocates (the same products in the same order), and the adapters' gradients too."""
+    torch.manual_seed(1)
+    q = quantize_4bit(torch.randn(45, 70), "nf4")
+    a, b = torch.randn(4, 70, requires_grad=True), torch.randn(45, 4, requires_grad=True)
+    leaf = (
+        torch.randn(9, 70, requires_grad=True)
+        if layout == "contiguous"
+        else torch.randn(70, 9).requires_grad_()
+    )
+    grad_y = torch.randn(9, 45)
+
+    def fresh():  # a fresh intermediate, as the activation's output is
+        return leaf * 1 if layout == "contiguous" else (leaf * 1).t()
+
+    expected = torch.autograd.grad(
+        lora_linear_4bit(fresh(), q.packed, q.absmax, q.code, 64, a, b, 0.5), (leaf, a, b), grad_y
+    )
+    x = fresh()
+    seen = []
+    x.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    y = lora_linear_4bit(x, q.packed, q.absmax, q.code, 64, a, b, 0.5, overwrite_input=True)
+    got = torch.autograd.grad(y, (leaf, a, b), grad_y)
+    for ours, ref in zip(got, expected):
+        assert torch.equal(ours, ref)
+    assert seen == [x.data_ptr()]
+
+
+@pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)])
+def test_lora_linear_4bit_inplace_backward_opcheck(needs):
+    q = quantize_4bit(torch.randn(20, 96), "nf4")
+    x = torch.randn(5, 96)
+    a, b = torch.randn(4, 96), torch.randn(20, 4)
+    xa = x @ a.t()
+    args = (torch.randn(5, 20), x, xa, q.packed, q.absmax, q.code, 64, a, b, 0.5, *needs)
+    torch.library.opcheck(torch.ops.sloth.lora_linear_4bit_backward_.default, args)
+    x = torch.randn(5, 96, requires_grad=True)
+    a, b = a.requires_grad_(), b.requires_grad_()
+    torch.library.opcheck(_lora_4bit_op, (x, q.packed, q.absmax, q.code, 64, a, b, 0.5, True))
+
+
 def test_matmul_4bit_matches_float64_reference_and_opcheck():
     """The fused product's op: its CPU reference, fake and autograd (``dy @ W``, the storage frozen)."""
     torch.manual_seed(0)

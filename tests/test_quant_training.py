@@ -9,6 +9,7 @@ import torch
 from _models import LORA_TARGETS, add_lora, packed_batch, random_documents, tiny_llama, tiny_qwen3
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
@@ -141,6 +142,19 @@ def _bnb_loaded(tmp_path, make=tiny_llama):
     )
 
 
+class _OpNames(TorchDispatchMode):
+    """The names of the ops dispatched inside the block (forward and backward)."""
+
+    def __enter__(self):
+        self.names = []
+        super().__enter__()
+        return self.names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_bitsandbytes_model_matches_peft_and_trains_without_requantising(tmp_path):
     import bitsandbytes as bnb
     from peft.tuners.lora.bnb import Linear4bit as BnbLoraLinear4bit
@@ -156,10 +170,13 @@ def test_bitsandbytes_model_matches_peft_and_trains_without_requantising(tmp_pat
     losses, grads = [], []
     for model in (ours, theirs):
         model.train()
-        loss = model(**inputs).loss
-        loss.backward()
+        with _OpNames() as seen:
+            loss = model(**inputs).loss
+            loss.backward()
         losses.append(loss)
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        if model is ours:  # each down_proj writes its input's gradient where the input was
+            assert seen.count("sloth.lora_linear_4bit_backward_.default") == 2
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
     assert len(grads[0]) == 28
     for name, grad in grads[0].items():

@@ -261,8 +261,10 @@ def _lora_4bit_op(
     lora_a: Tensor,
     lora_b: Tensor,
     scale: float,
+    overwrite_input: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(y [..., out], xa [N, r])``; ``xa`` is kept for the backward."""
+    """Returns ``(y [..., out], xa [N, r])``; ``xa`` is kept for the backward. ``overwrite_input``:
+    the backward writes x's gradient into x's memory (:func:`lora_linear_4bit`)."""
     out_features, in_features = lora_b.shape[0], x.shape[-1]
     rows = x.reshape(-1, in_features)
     xa = rows @ lora_a.t()
@@ -281,7 +283,7 @@ def _lora_4bit_op(
 
 
 @_lora_4bit_op.register_fake
-def _lora_4bit_fake(x, packed, absmax, code, blocksize, lora_a, lora_b, scale):
+def _lora_4bit_fake(x, packed, absmax, code, blocksize, lora_a, lora_b, scale, overwrite_input=False):
     y = x.new_empty((*x.shape[:-1], lora_b.shape[0]))
     return y, x.new_empty((math.prod(x.shape[:-1]), lora_a.shape[0]))
 
@@ -334,11 +336,64 @@ def _lora_4bit_backward_fake(
     )
 
 
+@sloth_op("lora_linear_4bit_backward_", mutates_args=("x",))
+def _lora_4bit_backward_inplace_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`_lora_4bit_backward_op` writing ``dx`` into x (after ``dA`` has read it): the same
+    products in the same order, one ``[N, in]`` buffer fewer. Returns ``(dA, dB)``."""
+    dy = grad_y.reshape(-1, grad_y.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    g = (dy @ lora_b) * scale
+    da = g.t() @ rows if grad_a else x.new_empty(0)
+    db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    if dy.shape[0] == 0:
+        return da, db
+    if use_fused(x, dy.shape[0], x.shape[-1]):
+        dx = _gemm_kernels.matmul_4bit_t(dy.contiguous(), packed, absmax, code, blocksize, x.shape[-1])
+    else:
+        weight = dequantize_4bit_into(
+            packed, absmax, code, blocksize, _scratch(lora_b.shape[0], x.shape[-1], x.dtype, x.device)
+        )
+        if x.is_contiguous():  # rows is then a view of x: the product lands in x's memory
+            torch.mm(dy, weight, out=rows)
+            if lora_a.shape[0]:
+                rows.addmm_(g, lora_a)
+            return da, db
+        dx = torch.mm(dy, weight)
+    if lora_a.shape[0]:
+        dx.addmm_(g, lora_a)
+    x.copy_(dx.view(x.shape))
+    return da, db
+
+
+@_lora_4bit_backward_inplace_op.register_fake
+def _lora_4bit_backward_inplace_fake(
+    grad_y, x, xa, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_a, grad_b
+):
+    return (
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
 def _setup_context(ctx, inputs, output):
-    x, packed, absmax, code, blocksize, lora_a, lora_b, scale = inputs
+    x, packed, absmax, code, blocksize, lora_a, lora_b, scale = inputs[:8]
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, output[1], packed, absmax, code, lora_a, lora_b)
     ctx.blocksize, ctx.scale = blocksize, scale
+    ctx.overwrite_input = len(inputs) > 8 and bool(inputs[8])
 
 
 def _backward(ctx, grad_y, _grad_xa):
@@ -346,21 +401,30 @@ def _backward(ctx, grad_y, _grad_xa):
     need = ctx.needs_input_grad
     if need[2] or need[3]:
         raise RuntimeError("sloth::lora_linear_4bit: the 4-bit base weight is frozen; it has no gradient")
-    dx, da, db = call(
-        _lora_4bit_backward_op,
-        grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale,
-        need[0], need[5], need[6],
-    )  # fmt: skip
+    if ctx.overwrite_input and need[0]:
+        da, db = call(
+            _lora_4bit_backward_inplace_op,
+            grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale, need[5], need[6],
+        )  # fmt: skip
+        dx = x
+    else:
+        dx, da, db = call(
+            _lora_4bit_backward_op,
+            grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale,
+            need[0], need[5], need[6],
+        )  # fmt: skip
     return (
         dx if need[0] else None, None, None, None, None,
-        da if need[5] else None, db if need[6] else None, None,
+        da if need[5] else None, db if need[6] else None, None, None,
     )  # fmt: skip
 
 
 register_autograd(_lora_4bit_op, _backward, _setup_context)
 
 
-def _forward_flops(x_shape, packed, absmax, code, blocksize, a_shape, b_shape, scale, out_shape=None) -> int:
+def _forward_flops(
+    x_shape, packed, absmax, code, blocksize, a_shape, b_shape, scale, overwrite_input=False, out_shape=None
+) -> int:
     n_rows, in_features = math.prod(x_shape[:-1]), x_shape[-1]
     out_features, rank = b_shape
     dequant = in_features * out_features
@@ -385,6 +449,26 @@ def _backward_flops(
 
 register_flops(_lora_4bit_op, _forward_flops)
 register_flops(_lora_4bit_backward_op, _backward_flops)
+register_flops(
+    _lora_4bit_backward_inplace_op,
+    lambda grad_y, x_shape, xa_shape, packed, absmax, code, blocksize, a_shape, b_shape, scale, grad_a, grad_b, out_shape=None: (
+        _backward_flops(
+            grad_y,
+            x_shape,
+            xa_shape,
+            packed,
+            absmax,
+            code,
+            blocksize,
+            a_shape,
+            b_shape,
+            scale,
+            True,
+            grad_a,
+            grad_b,
+        )
+    ),
+)
 
 
 def lora_linear_4bit(
@@ -396,6 +480,8 @@ def lora_linear_4bit(
     lora_a: Tensor,
     lora_b: Tensor,
     scale: float,
+    *,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """``x @ W.T + scale * (x @ lora_a.T) @ lora_b.T`` with ``W`` the dequantised 4-bit weight.
 
@@ -406,6 +492,9 @@ def lora_linear_4bit(
         lora_a: ``[r, in]`` adapter A in x's dtype (``r`` may be 0: no adapter).
         lora_b: ``[out, r]`` adapter B in x's dtype.
         scale: LoRA scaling.
+        overwrite_input: The backward writes x's gradient into x's memory (saves one ``[..., in]``
+            buffer at the backward's peak: the MLP's down projection's ``[tokens, intermediate]``).
+            Only for an x that nothing reads after this layer (the activation's output).
 
     Returns:
         ``[..., out]`` in x's dtype. Gradients flow to x, lora_a and lora_b.
@@ -432,5 +521,7 @@ def lora_linear_4bit(
             f"x ({x.device}), the 4-bit weight ({packed.device}) and the adapters ({lora_a.device}) must "
             "share a device"
         )
-    y, _ = call(_lora_4bit_op, x, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale))
+    y, _ = call(
+        _lora_4bit_op, x, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale), overwrite_input
+    )
     return y

@@ -259,6 +259,8 @@ def _project_fresh(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """
     if patched_op(module) == "lora" and not _hooked(module) and torch.is_grad_enabled():
         out = fused_lora_forward(module, x, overwrite_input=True)
+        if out is None:  # a 4-bit base: the same, in its op
+            out = lora_4bit_forward(module, x, overwrite_input=True)
         if out is not None:
             return out
     return module(x)

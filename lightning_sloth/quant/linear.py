@@ -205,10 +205,25 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def linear_4bit(x: Tensor, storage: Packed4bit, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+def linear_4bit(
+    x: Tensor,
+    storage: Packed4bit,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    overwrite_input: bool = False,
+) -> Tensor:
     """``sloth::lora_linear_4bit`` on a :class:`Packed4bit` (double-quantised scales decoded first)."""
     return lora_linear_4bit(
-        x, storage.packed, storage.block_absmax(), storage.code, storage.blocksize, lora_a, lora_b, scale
+        x,
+        storage.packed,
+        storage.block_absmax(),
+        storage.code,
+        storage.blocksize,
+        lora_a,
+        lora_b,
+        scale,
+        overwrite_input=overwrite_input,
     )
 
 

@@ -16,7 +16,7 @@ from lightning_sloth.quant.fp8 import LinearFP8, add_lora, lora_fp8_forward
 from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit, linear_4bit_fp8_storage
 
 
-def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
+def lora_4bit_forward(module: nn.Module, x: Tensor, overwrite_input: bool = False) -> Tensor | None:
     """Forward of a PEFT LoRA layer with a 4-bit or FP8 base, or None when it is outside the plain case.
 
     The plain case: one active adapter, unmerged and enabled, no dropout, no DoRA or other variant,
@@ -27,6 +27,8 @@ def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
     Args:
         module: a PEFT ``LoraLayer``.
         x: ``[..., in]`` input.
+        overwrite_input: on a 4-bit base, the backward writes x's gradient into x's memory (an x
+            nothing else reads afterwards; see :func:`~lightning_sloth.ops.nf4.lora_linear_4bit`).
 
     Returns:
         ``[..., out]``, or None (the caller runs the module's own forward).
@@ -69,7 +71,12 @@ def lora_4bit_forward(module: nn.Module, x: Tensor) -> Tensor | None:
         y = add_lora(y, x, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter])
     else:
         y = linear_4bit(
-            x.to(dtype), storage, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter]
+            x.to(dtype),
+            storage,
+            lora_a.weight.to(dtype),
+            lora_b.weight.to(dtype),
+            module.scaling[adapter],
+            overwrite_input,
         )
     bias = getattr(base, "bias", None)
     return y + bias.to(dtype) if bias is not None else y
