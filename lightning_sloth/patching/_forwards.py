@@ -252,15 +252,12 @@ def _gated_mlp_for_gradients(mlp: nn.Module, x: torch.Tensor, residual: torch.Te
 
 # -------------------------------------------------------------------------------------- gated MLP
 def _project_fresh(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for an ``x`` nothing else reads afterwards (the activation's output).
-
-    A fused LoRA layer (our forward installed, no hooks on it) then writes x's gradient into x's
-    memory in the backward; anything else is simply called.
-    """
+    """``module(x)`` for an ``x`` nothing else reads afterwards (the activation's output). A fused LoRA
+    layer (our forward, no hooks; a 16-bit or 4-bit base) then writes x's gradient into x's memory in
+    the backward; anything else is simply called."""
     if patched_op(module) == "lora" and not _hooked(module) and torch.is_grad_enabled():
         out = fused_lora_forward(module, x, overwrite_input=True)
-        if out is None:  # a 4-bit base: the same, in its op
-            out = lora_4bit_forward(module, x, overwrite_input=True)
+        out = lora_4bit_forward(module, x, overwrite_input=True) if out is None else out
         if out is not None:
             return out
     return module(x)
