@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sloth.data import PackedCollator
 from lightning_sloth.ops.lora import UnreadSum, lora_linear
+from lightning_sloth.ops.nf4 import lora_linear_4bit
+from lightning_sloth.quant import quantize_4bit, quantize_model
 from lightning_sloth.transform import transform_model
 
 
@@ -20,15 +22,17 @@ class _CountLoraForwards(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.sloth.lora_linear.default:
+        if func in (torch.ops.sloth.lora_linear.default, torch.ops.sloth.lora_linear_4bit.default):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
 
-def _step(make, skip: bool, autocast: bool = False, **settings):
+def _step(make, skip: bool, autocast: bool = False, nf4: bool = False, **settings):
     docs = random_documents([7, 3, 12, 5, 9], seed=1)
     batch = PackedCollator(64, 0, pad_to="max_tokens")([(d, d) for d in docs])
     model = add_lora(make(seed=0)).train()
+    if nf4:
+        quantize_model(model, "nf4")
     report = transform_model(model, **settings)
     report.checkpointing.skip_unread_output = skip
     counter = _CountLoraForwards()
@@ -64,6 +68,21 @@ def test_a_float32_residual_stream_under_bf16_autocast():
         assert torch.equal(grads[name], g), name
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16_autocast"])
+def test_a_4bit_base_skips_the_decode_and_product_with_the_same_gradients(autocast):
+    """QLoRA: the recompute's down projection decodes no weight and multiplies nothing
+    (``UnreadSum4bit``); loss and every gradient bitwise those of the full recompute."""
+    loss_full, grads_full, calls_full = _step(
+        tiny_llama, skip=False, autocast=autocast, nf4=True, kernels=True
+    )
+    loss, grads, calls = _step(tiny_llama, skip=True, autocast=autocast, nf4=True, kernels=True)
+    assert calls == calls_full - 2  # one per layer
+    assert torch.equal(loss, loss_full)
+    assert grads.keys() == grads_full.keys() and grads
+    for name, g in grads_full.items():
+        assert torch.equal(grads[name], g), name
+
+
 def test_without_the_fused_mlp_the_recompute_is_unchanged():
     kernels = {"glu": False}  # the MLP keeps transformers' forward: nothing to skip
     _, grads_full, calls_full = _step(tiny_llama, skip=False, kernels=kernels)
@@ -88,3 +107,29 @@ def test_unread_sum_has_the_gradients_of_residual_plus_lora_linear():
     got = torch.autograd.grad(out, (residual, x, a, b), grad)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("overwrite_input", [False, True])
+def test_unread_sum_4bit_has_the_gradients_of_residual_plus_lora_linear_4bit(overwrite_input):
+    gen = torch.Generator().manual_seed(1)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    q = quantize_4bit(torch.randn(6, 64, generator=gen), "nf4")
+    residual, a, b = leaf(2, 5, 6), leaf(4, 64), leaf(6, 4)
+    base = torch.randn(2, 5, 64, generator=gen, requires_grad=True)
+    grad = torch.randn(2, 5, 6, generator=gen)
+    storage = (q.packed, q.absmax, q.code, 64)
+    want = torch.autograd.grad(
+        residual + lora_linear_4bit(base * 1, *storage, a, b, 0.5), (residual, base, a, b), grad
+    )
+    out = lora_linear_4bit(
+        base * 1, *storage, a, b, 0.5, overwrite_input=overwrite_input, unread_sum_with=residual
+    )
+    assert out.shape == residual.shape
+    got = torch.autograd.grad(out, (residual, base, a, b), grad)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match="unread_sum_with"):
+        lora_linear_4bit(base, *storage, a, b, 0.5, unread_sum_with=residual[..., :3])

@@ -397,26 +397,57 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, _grad_xa):
-    x, xa, packed, absmax, code, lora_a, lora_b = ctx.saved_tensors
     need = ctx.needs_input_grad
     if need[2] or need[3]:
         raise RuntimeError("sloth::lora_linear_4bit: the 4-bit base weight is frozen; it has no gradient")
-    if ctx.overwrite_input and need[0]:
+    dx, da, db = _input_grads(ctx, grad_y, need[0], need[5], need[6])
+    return dx, None, None, None, None, da, db, None, None
+
+
+def _input_grads(ctx, grad_y, need_x: bool, need_a: bool, need_b: bool):
+    """``(dx, dA, dB)``, None where not needed, from ``ctx.saved_tensors`` = ``(x, xa, packed,
+    absmax, code, A, B)``, ``ctx.blocksize``, ``ctx.scale`` and ``ctx.overwrite_input``."""
+    x, xa, packed, absmax, code, lora_a, lora_b = ctx.saved_tensors
+    if ctx.overwrite_input and need_x:
         da, db = call(
             _lora_4bit_backward_inplace_op,
-            grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale, need[5], need[6],
+            grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale, need_a, need_b,
         )  # fmt: skip
         dx = x
     else:
         dx, da, db = call(
             _lora_4bit_backward_op,
             grad_y, x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale,
-            need[0], need[5], need[6],
+            need_x, need_a, need_b,
         )  # fmt: skip
-    return (
-        dx if need[0] else None, None, None, None, None,
-        da if need[5] else None, db if need[6] else None, None, None,
-    )  # fmt: skip
+    return dx if need_x else None, da if need_a else None, db if need_b else None
+
+
+class UnreadSum4bit(torch.autograd.Function):
+    """``residual + lora_linear_4bit(x, ...)`` when nothing reads the sum's values, only its
+    gradients (a checkpointed layer's recompute, whose output only carries the backward): the
+    forward keeps what the backward reads (x and ``xa = x A^T``) and skips the weight's decode and
+    the base product, returning uninitialised memory; the backward is the op's (same products, same
+    values), with the sum's gradient passed to ``residual`` too. As ``ops.lora.UnreadSum`` for 16-bit
+    bases."""
+
+    @staticmethod
+    def forward(ctx, residual, x, packed, absmax, code, blocksize, lora_a, lora_b, scale, overwrite_input):
+        xa = x.reshape(-1, x.shape[-1]) @ lora_a.t()
+        ctx.save_for_backward(x, xa, packed, absmax, code, lora_a, lora_b)
+        ctx.blocksize, ctx.scale, ctx.overwrite_input = blocksize, scale, overwrite_input
+        # The sum's dtype, as ``residual + y`` promotes (a float32 residual stream under autocast).
+        return residual.new_empty(residual.shape, dtype=torch.promote_types(residual.dtype, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.saved_tensors[0]
+        grad_y = grad if grad.dtype == x.dtype else grad.to(x.dtype)  # y's gradient in y's dtype
+        need = ctx.needs_input_grad
+        if need[2] or need[3]:
+            raise RuntimeError("sloth::lora_linear_4bit: the 4-bit base weight is frozen; it has no gradient")
+        dx, da, db = _input_grads(ctx, grad_y, need[1], need[6], need[7])
+        return grad if need[0] else None, dx, None, None, None, None, da, db, None, None
 
 
 register_autograd(_lora_4bit_op, _backward, _setup_context)
@@ -482,6 +513,7 @@ def lora_linear_4bit(
     scale: float,
     *,
     overwrite_input: bool = False,
+    unread_sum_with: Tensor | None = None,
 ) -> Tensor:
     """``x @ W.T + scale * (x @ lora_a.T) @ lora_b.T`` with ``W`` the dequantised 4-bit weight.
 
@@ -495,6 +527,8 @@ def lora_linear_4bit(
         overwrite_input: The backward writes x's gradient into x's memory (saves one ``[..., in]``
             buffer at the backward's peak: the MLP's down projection's ``[tokens, intermediate]``).
             Only for an x that nothing reads after this layer (the activation's output).
+        unread_sum_with: a residual ``[..., out]``: returns ``residual + y`` for a backward only, its
+            values never computed (:class:`UnreadSum4bit`: no decode, no base product).
 
     Returns:
         ``[..., out]`` in x's dtype. Gradients flow to x, lora_a and lora_b.
@@ -521,6 +555,17 @@ def lora_linear_4bit(
             f"x ({x.device}), the 4-bit weight ({packed.device}) and the adapters ({lora_a.device}) must "
             "share a device"
         )
+    if unread_sum_with is not None:
+        if (
+            unread_sum_with.shape != (*x.shape[:-1], lora_b.shape[0])
+            or not unread_sum_with.is_floating_point()
+        ):
+            raise ValueError(
+                f"unread_sum_with must be a floating [..., out] residual of shape {(*x.shape[:-1], lora_b.shape[0])}, "
+                f"got {unread_sum_with.dtype} {tuple(unread_sum_with.shape)}"
+            )
+        args = (packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale), overwrite_input)
+        return UnreadSum4bit.apply(unread_sum_with, x, *args)
     y, _ = call(
         _lora_4bit_op, x, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale), overwrite_input
     )

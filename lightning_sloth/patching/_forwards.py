@@ -247,6 +247,7 @@ def _gated_mlp_for_gradients(mlp: nn.Module, x: torch.Tensor, residual: torch.Te
         return residual + mlp(x)
     act = activation(mlp.gate_proj(x), mlp.up_proj(x), inplace_backward=True)
     out = fused_lora_forward(down, act, overwrite_input=True, unread_sum_with=residual)
+    out = lora_4bit_forward(down, act, True, unread_sum_with=residual) if out is None else out
     return out if out is not None else residual + _project_fresh(down, act)
 
 

@@ -212,8 +212,10 @@ def linear_4bit(
     lora_b: Tensor,
     scale: float,
     overwrite_input: bool = False,
+    unread_sum_with: Tensor | None = None,
 ) -> Tensor:
-    """``sloth::lora_linear_4bit`` on a :class:`Packed4bit` (double-quantised scales decoded first)."""
+    """``sloth::lora_linear_4bit`` on a :class:`Packed4bit` (double-quantised scales decoded first);
+    ``overwrite_input`` and ``unread_sum_with`` as :func:`~lightning_sloth.ops.nf4.lora_linear_4bit`'s."""
     return lora_linear_4bit(
         x,
         storage.packed,
@@ -224,6 +226,7 @@ def linear_4bit(
         lora_b,
         scale,
         overwrite_input=overwrite_input,
+        unread_sum_with=unread_sum_with,
     )
 
 

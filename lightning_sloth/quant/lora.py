@@ -16,7 +16,9 @@ from lightning_sloth.quant.fp8 import LinearFP8, add_lora, lora_fp8_forward
 from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit, linear_4bit_fp8_storage
 
 
-def lora_4bit_forward(module: nn.Module, x: Tensor, overwrite_input: bool = False) -> Tensor | None:
+def lora_4bit_forward(
+    module: nn.Module, x: Tensor, overwrite_input: bool = False, unread_sum_with: Tensor | None = None
+) -> Tensor | None:
     """Forward of a PEFT LoRA layer with a 4-bit or FP8 base, or None when it is outside the plain case.
 
     The plain case: one active adapter, unmerged and enabled, no dropout, no DoRA or other variant,
@@ -29,6 +31,9 @@ def lora_4bit_forward(module: nn.Module, x: Tensor, overwrite_input: bool = Fals
         x: ``[..., in]`` input.
         overwrite_input: on a 4-bit base, the backward writes x's gradient into x's memory (an x
             nothing else reads afterwards; see :func:`~lightning_sloth.ops.nf4.lora_linear_4bit`).
+        unread_sum_with: on a 4-bit base, a residual ``[..., out]`` in the compute dtype: returns
+            ``residual + module(x)`` for a backward only, its values never computed (a checkpoint's
+            recompute); None where that does not apply (FP8 compute, a base bias, another shape).
 
     Returns:
         ``[..., out]``, or None (the caller runs the module's own forward).
@@ -48,6 +53,15 @@ def lora_4bit_forward(module: nn.Module, x: Tensor, overwrite_input: bool = Fals
     if not isinstance(module.lora_dropout[adapter], nn.Identity):
         return None
     if lora_a.bias is not None or lora_b.bias is not None:
+        return None
+    unread = unread_sum_with
+    if unread is not None and (
+        isinstance(base, LinearFP8)
+        or getattr(base, "fp8_grad", None) is not None
+        or getattr(base, "bias", None) is not None
+        or unread.shape != (*x.shape[:-1], lora_b.weight.shape[0])
+        or not unread.is_floating_point()
+    ):
         return None
     if isinstance(base, LinearFP8):
         if x.device != base.weight.device or compute_dtype(x) not in (
@@ -77,6 +91,7 @@ def lora_4bit_forward(module: nn.Module, x: Tensor, overwrite_input: bool = Fals
             lora_b.weight.to(dtype),
             module.scaling[adapter],
             overwrite_input,
+            unread,
         )
     bias = getattr(base, "bias", None)
     return y + bias.to(dtype) if bias is not None else y
