@@ -309,16 +309,9 @@ def _lora_4bit_backward_op(
     rows = x.reshape(-1, x.shape[-1])
     g = (dy @ lora_b) * scale if (grad_x or grad_a) else None
     dx = x.new_empty(0)
-    if grad_x and dy.shape[0] == 0:
-        dx = x.new_zeros(0, x.shape[-1])
-    elif grad_x and use_fused(x, dy.shape[0], x.shape[-1]):
-        dx = _gemm_kernels.matmul_4bit_t(dy.contiguous(), packed, absmax, code, blocksize, x.shape[-1])
-    elif grad_x:
-        weight = _scratch(lora_b.shape[0], x.shape[-1], x.dtype, x.device)
-        dx = torch.mm(dy, dequantize_4bit_into(packed, absmax, code, blocksize, weight))
     if grad_x:
-        if lora_a.shape[0]:
-            dx.addmm_(g, lora_a)
+        storage = (packed, absmax, code, blocksize, lora_b.shape[0])
+        dx = _input_rows(dy, g, x, lora_a, *storage) if dy.shape[0] else x.new_zeros(0, x.shape[-1])
         dx = dx.view(x.shape)
     da = g.t() @ rows if grad_a else x.new_empty(0)
     db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
@@ -358,24 +351,30 @@ def _lora_4bit_backward_inplace_op(
     g = (dy @ lora_b) * scale
     da = g.t() @ rows if grad_a else x.new_empty(0)
     db = dy.t() @ (xa * scale) if grad_b else x.new_empty(0)
-    if dy.shape[0] == 0:
-        return da, db
+    if dy.shape[0]:
+        # rows is a view of x where x is contiguous: the product lands in x's memory
+        out = rows if x.is_contiguous() else None
+        dx = _input_rows(dy, g, x, lora_a, packed, absmax, code, blocksize, lora_b.shape[0], out=out)
+        if dx is not rows:
+            x.copy_(dx.view(x.shape))
+    return da, db
+
+
+def _input_rows(
+    dy, g, x, lora_a, packed, absmax, code, blocksize: int, out_features: int, out=None
+) -> Tensor:
+    """``dy W + g A`` as ``[N, in]`` rows for the two backward ops: the fused kernel where it
+    applies, else the decoded weight's product (written into ``out`` where given)."""
     if use_fused(x, dy.shape[0], x.shape[-1]):
         dx = _gemm_kernels.matmul_4bit_t(dy.contiguous(), packed, absmax, code, blocksize, x.shape[-1])
     else:
         weight = dequantize_4bit_into(
-            packed, absmax, code, blocksize, _scratch(lora_b.shape[0], x.shape[-1], x.dtype, x.device)
+            packed, absmax, code, blocksize, _scratch(out_features, x.shape[-1], x.dtype, x.device)
         )
-        if x.is_contiguous():  # rows is then a view of x: the product lands in x's memory
-            torch.mm(dy, weight, out=rows)
-            if lora_a.shape[0]:
-                rows.addmm_(g, lora_a)
-            return da, db
-        dx = torch.mm(dy, weight)
+        dx = torch.mm(dy, weight) if out is None else torch.mm(dy, weight, out=out)
     if lora_a.shape[0]:
         dx.addmm_(g, lora_a)
-    x.copy_(dx.view(x.shape))
-    return da, db
+    return dx
 
 
 @_lora_4bit_backward_inplace_op.register_fake
