@@ -90,6 +90,15 @@ def test_the_fsdp_table_shows_scaling_and_busy_shares_where_profiled():
     header = next(line for line in table.splitlines() if line.startswith("| shape"))
     assert rows[2].count("|") == header.count("|")  # an error row keeps the columns
 
+    # Two calls in one table: each run's scaling is against its own file's one-GPU run; a file
+    # without one borrows another's.
+    second = {"environment": report["environment"], "runs": [run("sloth_1gpu", 1, 50000.0), run("sloth_fsdp", 2, 48000.0)]}
+    third = {"environment": report["environment"], "runs": [run("sloth_fsdp", 2, 45000.0)]}
+    table = render_fsdp([report, second, third], ["x.json", "y.json", "z.json"], {})
+    rows = [line for line in table.splitlines() if line.startswith("| llama") and "`sloth_fsdp`" in line]
+    assert "54,000 (90.0% scaling)" in rows[0] and "48,000 (96.0% scaling)" in rows[1]
+    assert "45,000 (90.0% scaling)" in rows[2]
+
 
 def test_gpu_sizes_are_ascending_distinct_counts():
     assert fsdp_bench.gpu_sizes("4") == [4] and fsdp_bench.gpu_sizes("1,2,4,8") == [1, 2, 4, 8]

@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 import re
 
-# Names of systems measured by earlier versions of the harness (bench.SYSTEMS).
+# Names of systems measured by earlier versions of the harness (bench.SYSTEMS) or by a benchmark
+# script's own systems (benchmarks/qlora_bench.py).
 EXTRA_LABELS = {
     "sloth_kernels_compile": "lightning_sloth + regional compile",
     "sloth_kernels_planned": 'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")',
     "sloth_kernels_no_checkpointing": "lightning_sloth kernels, no checkpointing at all",
     "sloth_bf16": "lightning_sloth, bf16 base weights (kernels=True)",
+    "sloth_nf4_offload_mlp8k": 'lightning_sloth, quantize="nf4" + offload="on", MLP in 8,192-token chunks',
     "hf_packed_flex": "transformers + PEFT, packed rows, its FlexAttention",
 }
 
@@ -218,13 +220,19 @@ def render_compact(reports: list[dict], sources: list[str], params: dict) -> str
 
 def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
     """Multi-GPU runs (``benchmarks/fsdp_bench.py``): per run tokens/s per GPU, with the scaling
-    against the one-GPU run of the same shape and LoRA setting where there is one."""
+    against the one-GPU run of the same shape and LoRA setting where there is one (that of the run's
+    own file first: several calls in one table each keep their own baseline)."""
+    def one_gpu(runs: list[dict]) -> dict:
+        return {
+            (r["shape"], r["lora"]): r["tokens_per_s_per_gpu"]
+            for r in runs
+            if r.get("world") == 1 and "tokens_per_s_per_gpu" in r
+        }
+
     runs = [run for report in reports for run in report["runs"]]
-    single = {
-        (r["shape"], r["lora"]): r["tokens_per_s_per_gpu"]
-        for r in runs
-        if r.get("world") == 1 and "tokens_per_s_per_gpu" in r
-    }
+    # Each run against the one-GPU run of its own file (the same machine and call), else of any file.
+    anywhere = one_gpu(runs)
+    single_of = {id(r): {**anywhere, **one_gpu(report["runs"])} for report in reports for r in report["runs"]}
     header = [
         "shape",
         "LoRA",
@@ -246,7 +254,7 @@ def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
             lines.append(head + f" **error**: {md_cell(first[:200])} |" + f" {DASH} |" * (len(header) - 5))
             continue
         tps = f"{r['tokens_per_s_per_gpu']:,.0f}"
-        base = single.get((r["shape"], r.get("lora")))
+        base = single_of[id(r)].get((r["shape"], r.get("lora")))
         if base and r.get("world", 1) > 1:
             tps += f" ({r['tokens_per_s_per_gpu'] / base:.1%} scaling)"
         lines.append(

@@ -134,7 +134,7 @@ def test_4bit_down_projection_writes_its_input_gradient_in_place(monkeypatch):
     loss, got, peak = _step(model, inputs)
     original = _forwards.lora_4bit_forward
     monkeypatch.setattr(
-        _forwards, "lora_4bit_forward", lambda module, x, overwrite_input=False: original(module, x)
+        _forwards, "lora_4bit_forward", lambda module, x, overwrite_input=False, **kw: original(module, x, **kw)
     )
     want_loss, want, plain_peak = _step(model, inputs)
     torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
