@@ -388,6 +388,18 @@ def test_the_node_checkpoint_takes_one_layer_per_unit():
     assert SlothFSDPStrategy(checkpoint_impl="node", reshard_after_forward=False).layers_per_unit == 1
 
 
+def test_the_node_refuses_grouped_units_where_torch_reshards_a_unit_after_one_layers_backward(monkeypatch):
+    """torch 2.11's FSDP2 reshards a unit of several layers after the first layer recomputed in the
+    backward (found on four H200s): there the node with grouped units is refused, naming torch."""
+    from lightning_sloth.plugins import strategy
+
+    monkeypatch.setattr(strategy, "grouped_units_take_partial_forwards", lambda: False)
+    with pytest.raises(ShardingError, match=r"layers_per_unit=2 needs torch >= 2.13.*one layer per unit"):
+        SlothFSDPStrategy(checkpoint_impl="node", layers_per_unit=2, reshard_after_forward=False)
+    assert SlothFSDPStrategy(checkpoint_impl="node", reshard_after_forward=False).layers_per_unit == 1
+    assert SlothFSDPStrategy(layers_per_unit=2, reshard_after_forward=False).layers_per_unit == 2  # torch's
+
+
 @pytest.mark.parametrize("shape,per_unit", [("llama_3_2_1b", 4), ("llama_3_1_8b", 1), ("qwen3_14b", 1)])
 def test_automatic_units_hold_at_most_250m_parameters(shape, per_unit):
     from lightning_sloth.bench.workload import shape_config

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.torch_version import TorchVersion
 
 from lightning_sloth.hf_model import find_decoder_layers
 from lightning_sloth.moe.quant import EXPERT_WEIGHTS, expert_storage
@@ -194,6 +195,18 @@ def check_layers_per_unit(layers_per_unit: object) -> int | None:
             f"layers_per_unit must be a positive integer (or None: automatic), got {layers_per_unit!r}"
         )
     return layers_per_unit
+
+
+def grouped_units_take_partial_forwards() -> bool:
+    """Whether this torch's FSDP2 finishes a unit of several layers only after all of them ran.
+
+    The one-node checkpoint recomputes a unit's layers one at a time inside the backward, last
+    first. torch 2.13's FSDP2 keeps such a grouped unit gathered until every layer's backward
+    (its partial-group handling; bit for bit as one layer per unit on two CPU processes); torch
+    2.11's registers the unit's post-backward on the first layer recomputed and reshards the unit
+    after that layer's backward, before the others' recompute (found on four H200s:
+    ``sloth.rms_norm got mixed torch.Tensor and DTensor``)."""
+    return TorchVersion(torch.__version__) >= "2.13"
 
 
 def auto_layers_per_unit(layers: nn.ModuleList) -> int:

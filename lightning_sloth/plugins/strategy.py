@@ -35,6 +35,7 @@ from lightning_sloth.plugins.sharding import (
     convert_before_sharding,
     frozen_to_replicate,
     full_state_dict,
+    grouped_units_take_partial_forwards,
     mixed_precision_policy,
     resolve_reshard_after_forward,
     shard_model,
@@ -271,9 +272,10 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             and once (prefetched) in the backward, as with torch's checkpoint. The node takes
             one layer per FSDP2 unit where the weights are resharded after the forward (with
             several, a unit's weights were found resharded before its other layers' recompute on
-            two GPUs); with ``reshard_after_forward=False`` an explicit ``layers_per_unit`` groups
-            layers under the node too (bit for bit as one layer per unit on two CPU processes; not
-            yet measured on GPUs, so never chosen automatically).
+            two GPUs); with ``reshard_after_forward=False`` and torch >= 2.13 an explicit
+            ``layers_per_unit`` groups layers under the node too (bit for bit as one layer per unit
+            on two CPU processes; refused on older torch, whose FSDP2 reshards the unit after the
+            first layer's backward; never chosen automatically).
         *args, **kwargs: :class:`SlothStrategy`'s transformation settings; ``process_group_backend``
             and ``timeout`` go to ``ModelParallelStrategy``.
 
@@ -318,6 +320,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
                     f"weights are resharded after its forward, got layers_per_unit={layers_per_unit!r}: "
                     f"use checkpoint_impl='torch' to group layers, or keep the weights gathered "
                     f"(reshard_after_forward=False)"
+                )
+            if self.layers_per_unit not in (None, 1) and not grouped_units_take_partial_forwards():
+                raise ShardingError(
+                    f"checkpoint_impl='node' with layers_per_unit={layers_per_unit!r} needs torch >= "
+                    f"2.13, whose FSDP2 keeps a unit of several layers gathered until each layer's "
+                    f"recompute and backward ran (this is torch {torch.__version__}): use one layer "
+                    f"per unit, or checkpoint_impl='torch' to group layers"
                 )
             self.layers_per_unit = self.layers_per_unit or 1
 
