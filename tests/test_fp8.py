@@ -17,7 +17,7 @@ from torch import nn
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad
+from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad, lora_linear_fp8
 from lightning_sloth.ops.fp8_formats import (
     check_fp8_device,
     dequantize_rows,
@@ -117,6 +117,56 @@ def test_opcheck(grad_format):
     torch.library.opcheck(
         torch.ops.sloth.linear_fp8_grad.default, (torch.randn(5, 16), bits, scale, grad_format)
     )
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2", "bf16"])
+def test_lora_linear_fp8_equals_the_base_product_plus_the_adapter(grad_format):
+    """One op for LoRA over an FP8 base: the output and the gradients of x, A and B are those of
+    ``linear_fp8(x) + scale (x A^T) B^T`` composed of separate ops (float32; the adapter's parts
+    are added into the FP8 products' outputs instead of summed after)."""
+    w, codes, scale = _weight(32, 48, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 9, 48, generator=gen)
+    a, b = torch.randn(4, 48, generator=gen) * 0.1, torch.randn(32, 4, generator=gen) * 0.1
+    dy = torch.randn(3, 9, 32, generator=gen)
+    results = []
+    for fused in (True, False):
+        xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
+        if fused:
+            y = lora_linear_fp8(xs, codes, scale, as_, bs, 0.5, grad_format)
+        else:
+            y = linear_fp8(xs, codes, scale, grad_format) + 0.5 * (xs @ as_.t()) @ bs.t()
+        y.backward(dy)
+        results.append((y.detach(), xs.grad, as_.grad, bs.grad))
+    for got, want, name in zip(results[0], results[1], ("y", "dx", "dA", "dB")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    # rank 0 (no adapter rows) and no rows at all
+    empty = lora_linear_fp8(x, codes, scale, a[:0], b[:, :0], 0.5, grad_format)
+    torch.testing.assert_close(empty, linear_fp8(x, codes, scale, grad_format))
+    assert lora_linear_fp8(x[:, :0], codes, scale, a, b, 0.5, grad_format).shape == (3, 0, 32)
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_lora_linear_fp8_opcheck(grad_format):
+    w, codes, scale = _weight(16, 32, seed=13)
+    bits = codes.view(torch.uint8)
+    x, a, b = torch.randn(6, 32, requires_grad=True), torch.randn(4, 32, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+    torch.library.opcheck(torch.ops.sloth.lora_linear_fp8.default, (x, bits, scale, a, b, 0.5, grad_format))
+    xa = x.detach() @ a.detach().t()
+    args = (torch.randn(6, 16), x.detach(), xa, bits, scale, a.detach(), b.detach(), 0.5, grad_format)
+    for need in ((True, True, True), (True, False, False), (False, True, True)):
+        torch.library.opcheck(torch.ops.sloth.lora_linear_fp8_backward.default, (*args, *need))
+
+
+def test_lora_linear_fp8_rejects_adapters_that_do_not_fit():
+    w, codes, scale = _weight(16, 32, seed=14)
+    x = torch.randn(6, 32)
+    with pytest.raises(ValueError, match="do not fit the weight"):
+        lora_linear_fp8(x, codes, scale, torch.randn(4, 31), torch.randn(16, 4), 1.0)
+    with pytest.raises(ValueError, match="do not fit the weight"):
+        lora_linear_fp8(x, codes, scale, torch.randn(4, 32), torch.randn(15, 4), 1.0)
+    with pytest.raises(TypeError, match="must be in x's dtype"):
+        lora_linear_fp8(x, codes, scale, torch.randn(4, 32).double(), torch.randn(16, 4), 1.0)
 
 
 def test_linear_fp8_rejects_bad_input():

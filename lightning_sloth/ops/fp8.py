@@ -59,7 +59,14 @@ from lightning_sloth.ops.registry import (
 if TRITON_OPS:
     from lightning_sloth.kernels import fp8 as _kernels
 
-__all__ = ["fp8_from_4bit", "linear_4bit_fp8", "linear_fp8", "linear_fp8_grad", "scaled_mm_applies"]
+__all__ = [
+    "fp8_from_4bit",
+    "linear_4bit_fp8",
+    "linear_fp8",
+    "linear_fp8_grad",
+    "lora_linear_fp8",
+    "scaled_mm_applies",
+]
 
 _E4M3 = FP8_DTYPES["e4m3"]
 
@@ -202,6 +209,160 @@ def linear_fp8_grad(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_forma
         _grad_op, rows.contiguous(), weight.view(torch.uint8), weight_scale, check_grad_format(grad_format)
     )
     return dx.view(*dy.shape[:-1], weight.shape[1])
+
+
+# ------------------------------------------------------------------ LoRA over an FP8 base, one op
+@sloth_op("lora_linear_fp8")
+def _lora_op(
+    x: Tensor,
+    weight_bits: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+) -> tuple[Tensor, Tensor]:
+    """``(y, xa)`` for ``x [M, K]``: ``y = x W^T + scale (x A^T) B^T`` with the B product added
+    into the FP8 GEMM's output; ``xa = x A^T`` is kept for the backward."""
+    xa = x @ lora_a.t()
+    if x.shape[0] == 0:
+        y = x.new_zeros(0, weight_bits.shape[0])
+    else:
+        y = _product(x, weight_bits.view(_E4M3), weight_scale)
+    if lora_a.shape[0]:
+        y.addmm_(xa, lora_b.t(), alpha=scale)
+    return y, xa
+
+
+@_lora_op.register_fake
+def _lora_fake(x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format):
+    return x.new_empty((x.shape[0], weight_bits.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
+
+
+@sloth_op("lora_linear_fp8_backward")
+def _lora_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    weight_bits: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+    grad_x: bool,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dA, dB)`` (empty where not asked for): ``dx = dy W + (scale dy B) A``, the adapter's
+    part added into the FP8 input-gradient GEMM's output (no separate sum of two ``[M, K]``)."""
+    g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
+    dx = x.new_empty(0)
+    if grad_x:
+        if grad_y.shape[0]:
+            dx = _grad_product(grad_y, weight_bits.view(_E4M3), weight_scale, grad_format)
+        else:
+            dx = x.new_zeros(0, x.shape[1])
+        if lora_a.shape[0]:
+            dx.addmm_(g, lora_a)
+    da = g.t() @ x if grad_a else x.new_empty(0)
+    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    return dx, da, db
+
+
+@_lora_backward_op.register_fake
+def _lora_backward_fake(
+    grad_y, x, xa, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
+):
+    return (
+        torch.empty_like(x) if grad_x else x.new_empty(0),
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
+def _lora_setup(ctx, inputs, output):
+    x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], weight_bits, weight_scale, lora_a, lora_b)
+    ctx.scale, ctx.grad_format = scale, grad_format
+
+
+def _lora_backward(ctx, grad_y, _grad_xa):
+    need = ctx.needs_input_grad
+    if need[1] or need[2]:
+        raise RuntimeError("sloth::lora_linear_fp8: the FP8 base weight is frozen; it has no gradient")
+    x, xa, weight_bits, weight_scale, lora_a, lora_b = ctx.saved_tensors
+    dx, da, db = call(
+        _lora_backward_op,
+        grad_y.contiguous(), x, xa, weight_bits, weight_scale, lora_a, lora_b, ctx.scale, ctx.grad_format,
+        need[0], need[3], need[4],
+    )  # fmt: skip
+    return dx if need[0] else None, None, None, da if need[3] else None, db if need[4] else None, None, None
+
+
+register_autograd(_lora_op, _lora_backward, _lora_setup)
+def _lora_forward_flops(x, w, s, a, b, scale, fmt, out_shape=None) -> int:
+    m, k = x
+    n, r = b
+    return 2 * m * k * (n + r) + 2 * m * r * n
+
+
+def _lora_backward_flops(dy, x, xa, w, s, a, b, scale, fmt, gx, ga, gb, out_shape=None) -> int:
+    m, n = dy
+    k, r = x[1], a[0]
+    flops = 2 * m * n * r if (gx or ga) else 0  # g = dy B
+    flops += (2 * m * n * k + 2 * m * r * k) if gx else 0  # dy W + g A
+    flops += 2 * r * m * k if ga else 0
+    return flops + (2 * n * m * r if gb else 0)
+
+
+register_flops(_lora_op, _lora_forward_flops)
+register_flops(_lora_backward_op, _lora_backward_flops)
+
+
+def lora_linear_fp8(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str = "e4m3",
+) -> Tensor:
+    """``x W^T + scale (x A^T) B^T`` for the frozen FP8 ``W`` and trained LoRA factors, as one op.
+
+    The same products as :func:`linear_fp8` plus PEFT's LoRA, with the adapter's parts added into
+    the FP8 GEMMs' outputs (forward and input gradient) instead of summed in separate passes.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32.
+        weight, weight_scale: W's ``[out, in]`` ``float8_e4m3fn`` codes and ``[out, 1]`` float32 scales.
+        lora_a, lora_b: ``[r, in]`` and ``[out, r]`` in x's dtype.
+        scale: the adapter's scaling.
+        grad_format: ``"e4m3"``, ``"e5m2"`` or ``"bf16"`` (:func:`linear_fp8`).
+
+    Returns:
+        ``[..., out]`` in x's dtype; gradients flow to x, A and B.
+    """
+    _check(x, weight, weight_scale, "lora_linear_fp8")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features or tuple(lora_a.shape[1:]) != (in_features,) or lora_b.shape != (
+        out_features,
+        lora_a.shape[0],
+    ):
+        raise ValueError(
+            f"lora_linear_fp8: x {tuple(x.shape)}, A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do "
+            f"not fit the weight {tuple(weight.shape)} [out, in]"
+        )
+    if lora_a.dtype != x.dtype or lora_b.dtype != x.dtype:
+        raise TypeError(f"lora_linear_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})")
+    rows = x.reshape(-1, in_features)
+    y, _ = call(
+        _lora_op, rows, weight.view(torch.uint8), weight_scale, lora_a, lora_b, float(scale),
+        check_grad_format(grad_format),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
 
 
 # ------------------------------------------------------------------ 4-bit storage, FP8 compute

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_sloth.ops.fp8 import linear_fp8
+from lightning_sloth.ops.fp8 import linear_fp8, lora_linear_fp8
 from lightning_sloth.ops.fp8_formats import (
     FP8_DTYPES,
     check_fp8_device,
@@ -196,12 +196,19 @@ def add_lora(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float)
 def lora_fp8_forward(
     base: LinearFP8, x: Tensor, lora_a: nn.Linear, lora_b: nn.Linear, scale: float
 ) -> Tensor:
-    """``base(x) + scale * (x A^T) B^T`` for a :class:`LinearFP8` ``base``: the base product in FP8
-    (through the module, so whatever runs its forward runs here), the adapters in the compute dtype
-    (autocast's, else x's; adapters stored otherwise are cast, gradients flow through the cast)."""
+    """``base(x) + scale * (x A^T) B^T`` for a :class:`LinearFP8` ``base``: the base product in FP8,
+    the adapters in the compute dtype (autocast's, else x's; adapters stored otherwise are cast,
+    gradients flow through the cast). One op, ``sloth::lora_linear_fp8``, adds the adapter's parts
+    into the FP8 GEMMs' outputs; a base with hooks of its own (or another forward) runs through the
+    module, with the adapter's product added beside it."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    return add_lora(base(x), x, lora_a.weight.to(dtype), lora_b.weight.to(dtype), scale)
+    lora_a, lora_b = lora_a.weight.to(dtype), lora_b.weight.to(dtype)
+    plain = type(base).forward is LinearFP8.forward and "forward" not in vars(base)
+    if plain and not (base._forward_hooks or base._forward_pre_hooks):
+        y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format)
+        return y + base.bias.to(dtype) if base.bias is not None else y
+    return add_lora(base(x), x, lora_a, lora_b, scale)
 
 
 def fp8_compute_4bit(model: nn.Module, grad_format: str = "e4m3") -> list[str]:

@@ -10,7 +10,7 @@ from lightning.pytorch import seed_everything
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.ops.fp8 import linear_fp8, scaled_mm_applies
+from lightning_sloth.ops.fp8 import linear_fp8, lora_linear_fp8, scaled_mm_applies
 from lightning_sloth.ops.fp8_formats import fp8_linear_grad_reference, fp8_linear_reference, quantize_rows
 from lightning_sloth.quant.fp8 import LinearFP8
 
@@ -47,6 +47,36 @@ def test_scaled_mm_path_matches_the_emulation(tokens, k, n, grad_format):
     dy = torch.randn(tokens, n, device="cuda", generator=gen).bfloat16()
     y.backward(dy)
     _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, codes, scale, grad_format))
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_lora_over_fp8_in_one_op_matches_the_composed_products(grad_format):
+    """``sloth::lora_linear_fp8`` on the FP8 tensor cores: the output and x's gradient within the
+    FP8 accumulator's bound of the emulated base product plus the adapter's; A's and B's gradients
+    (bf16 products of the same values) within bf16 rounding of the composed ones."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens, k, n, r = 2048, 4096, 4096, 16
+    codes, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=gen) * 0.02, "e4m3")
+    x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
+    a = (torch.randn(r, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    b = (torch.randn(n, r, device="cuda", generator=gen) * 0.02).bfloat16()
+    dy = torch.randn(tokens, n, device="cuda", generator=gen).bfloat16()
+    xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
+    y = lora_linear_fp8(xs, codes, scale, as_, bs, 2.0, grad_format)
+    y.backward(dy)
+    want_y = fp8_linear_reference(x, codes, scale).float() + 2.0 * (x.float() @ a.float().t()) @ b.float().t()
+    _close_to_emulation(y, want_y)
+    g = (dy.float() @ b.float()) * 2.0
+    want_dx = fp8_linear_grad_reference(dy, codes, scale, grad_format).float() + g @ a.float()
+    _close_to_emulation(xs.grad, want_dx)
+    torch.testing.assert_close(as_.grad.float(), g.t() @ x.float(), rtol=2**-6, atol=1e-2)
+    torch.testing.assert_close(
+        bs.grad.float(), dy.float().t() @ ((x.float() @ a.float().t()) * 2.0), rtol=2**-6, atol=1e-2
+    )
+    torch.library.opcheck(
+        torch.ops.sloth.lora_linear_fp8.default,
+        (xs[:64].detach().requires_grad_(), codes.view(torch.uint8), scale, as_.detach(), bs.detach(), 2.0, grad_format),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
