@@ -74,6 +74,27 @@ def test_gpu_busy_time_is_the_union_of_kernel_intervals():
     assert gpu_busy_ms(events) == 2.0
 
 
+def test_the_kernel_table_sums_each_kernels_gpu_time_and_calls():
+    from types import SimpleNamespace
+
+    from lightning_sloth.bench.measure import gpu_kernel_table
+
+    def event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("gemm", 0, 1000),
+        event("gemm", 2000, 4000),
+        event("norm", 500, 1000),
+        event("x" * 300, 0, 100),
+        event("cpu_op", 0, 9000, torch.autograd.DeviceType.CPU),
+    ]
+    table = gpu_kernel_table(events)
+    assert table[:2] == [{"name": "gemm", "ms": 3.0, "calls": 2}, {"name": "norm", "ms": 0.5, "calls": 1}]
+    assert len(table) == 3 and len(table[2]["name"]) == 120
+    assert gpu_kernel_table(events, top=1) == table[:1]
+
+
 def test_micro_batched_peer_steps_hold_the_packed_steps_documents_and_train_alike():
     """``hf_packed_varlen_microN``: the same documents per optimizer step as the one-row step, split
     into N packed rows whose accumulated loss and gradients equal the one row's (float32, CPU)."""

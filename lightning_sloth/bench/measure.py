@@ -223,6 +223,19 @@ def gpu_busy_ms(events) -> float:
     return busy / 1e3
 
 
+def gpu_kernel_table(events, top: int = 25) -> list[dict]:
+    """The ``top`` GPU kernels and copies of a profiled step by total time: ``{"name", "ms",
+    "calls"}`` each, names cut to 120 characters (where a step's time goes, kept in the record)."""
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            entry = totals.setdefault(e.name[:120], [0.0, 0])
+            entry[0] += (e.time_range.end - e.time_range.start) / 1e3
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [{"name": name, "ms": round(ms, 3), "calls": calls} for name, (ms, calls) in ranked]
+
+
 def memory_plan_record(report) -> dict:
     """The layer plan and offload counters of a sloth system, for the result record."""
     out: dict = {}
@@ -309,7 +322,8 @@ def gpu_busy_share(step: Callable[[], object]) -> dict:
 
     The profiler adds host work of its own to every launch, so the share is a lower bound; the rest
     of the step the GPU waited for the host to queue work. The caller also relates the GPU time to
-    the same batch's unprofiled step (``gpu_busy_share_unprofiled``).
+    the same batch's unprofiled step (``gpu_busy_share_unprofiled``). ``gpu_kernels``: the step's
+    largest kernels (:func:`gpu_kernel_table`).
     """
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -317,8 +331,14 @@ def gpu_busy_share(step: Callable[[], object]) -> dict:
         step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - begin) * 1e3
-    busy_ms = gpu_busy_ms(profiler.events())
-    return {"profiled_step_ms": wall_ms, "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / wall_ms}
+    events = profiler.events()
+    busy_ms = gpu_busy_ms(events)
+    return {
+        "profiled_step_ms": wall_ms,
+        "gpu_busy_ms": busy_ms,
+        "gpu_busy_share": busy_ms / wall_ms,
+        "gpu_kernels": gpu_kernel_table(events),
+    }
 
 
 def run_trainer_system(
