@@ -17,7 +17,7 @@ from torch import nn
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad, lora_linear_fp8
+from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8, linear_fp8, linear_fp8_grad
 from lightning_sloth.ops.fp8_formats import (
     check_fp8_device,
     dequantize_rows,
@@ -25,6 +25,7 @@ from lightning_sloth.ops.fp8_formats import (
     fp8_linear_reference,
     quantize_rows,
 )
+from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8
 from lightning_sloth.quant import Linear4bit, quantize_model
 from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
 from lightning_sloth.transform import transform_model
@@ -409,6 +410,41 @@ def test_4bit_storage_with_fp8_compute_equals_the_emulation(grad_format):
         torch.ops.sloth.linear_4bit_fp8.default,
         (x.detach().reshape(-1, 64).requires_grad_(), *bits, 64, 48, grad_format),
     )
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_lora_over_4bit_storage_with_fp8_compute_in_one_op_equals_it_over_the_fp8_codes(grad_format):
+    """``sloth::lora_linear_4bit_fp8`` decodes the 4-bit weight inside the op (forward and backward)
+    and then computes exactly what ``sloth::lora_linear_fp8`` computes over the same e4m3 codes."""
+    from lightning_sloth.quant import dequantize_4bit_reference, quantize_4bit
+
+    storage = quantize_4bit(_strided(48, 64, seed=9) * 0.1, "nf4")
+    codes, scale = quantize_rows(dequantize_4bit_reference(storage, torch.bfloat16), "e4m3")
+    bits = (storage.packed, storage.block_absmax(), storage.code, storage.blocksize)
+    gen = torch.Generator().manual_seed(10)
+    x, a, b = torch.randn(2, 7, 64, generator=gen), torch.randn(4, 64, generator=gen), torch.randn(48, 4, generator=gen)
+    dy = torch.randn(2, 7, 48, generator=gen)
+    results = []
+    for four_bit in (True, False):
+        xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
+        if four_bit:
+            y = lora_linear_4bit_fp8(xs, *bits, as_, bs, 0.25, grad_format)
+        else:
+            y = lora_linear_fp8(xs, codes, scale, as_, bs, 0.25, grad_format)
+        y.backward(dy)
+        results.append((y.detach(), xs.grad, as_.grad, bs.grad))
+    for got, want, name in zip(results[0], results[1], ("y", "dx", "dA", "dB")):
+        assert torch.equal(got, want), name
+    rows = x.reshape(-1, 64).requires_grad_()
+    torch.library.opcheck(
+        torch.ops.sloth.lora_linear_4bit_fp8.default, (rows, *bits, a.requires_grad_(), b, 0.25, grad_format)
+    )
+    xa = x.reshape(-1, 64) @ a.detach().t()
+    args = (dy.reshape(-1, 48), x.reshape(-1, 64), xa, *bits, a.detach(), b, 0.25, grad_format)
+    for need in ((True, True, True), (False, True, False)):
+        torch.library.opcheck(torch.ops.sloth.lora_linear_4bit_fp8_backward.default, (*args, *need))
+    with pytest.raises(ValueError, match="do not fit x"):
+        lora_linear_4bit_fp8(x, *bits, a[:, :10], b, 0.25)
 
 
 def test_qlora_with_fp8_compute_keeps_the_4bit_storage_and_equals_fp8_bases_of_its_weights():

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_sloth.ops.fp8 import linear_fp8, lora_linear_fp8
+from lightning_sloth.ops.fp8 import linear_fp8
 from lightning_sloth.ops.fp8_formats import (
     FP8_DTYPES,
     check_fp8_device,
@@ -25,6 +25,7 @@ from lightning_sloth.ops.fp8_formats import (
     dequantize_rows,
     quantize_rows,
 )
+from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
 from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped, compute_dtype, four_bit_storage
 
@@ -209,6 +210,16 @@ def lora_fp8_forward(
         y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format)
         return y + base.bias.to(dtype) if base.bias is not None else y
     return add_lora(base(x), x, lora_a, lora_b, scale)
+
+
+def lora_4bit_fp8_storage(
+    x: Tensor, storage, lora_a: Tensor, lora_b: Tensor, scale: float, grad_format: str
+) -> Tensor:
+    """``sloth::lora_linear_4bit_fp8`` on a :class:`~lightning_sloth.quant.linear.Packed4bit`: QLoRA
+    with FP8 compute, the adapter's parts added into the FP8 products (x, A and B in one dtype)."""
+    return lora_linear_4bit_fp8(
+        x, storage.packed, storage.block_absmax(), storage.code, storage.blocksize, lora_a, lora_b, scale, grad_format
+    )
 
 
 def fp8_compute_4bit(model: nn.Module, grad_format: str = "e4m3") -> list[str]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.quant.fp8 import LinearFP8, add_lora, lora_fp8_forward
-from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit, linear_4bit_fp8_storage
+from lightning_sloth.quant.fp8 import LinearFP8, lora_4bit_fp8_storage, lora_fp8_forward
+from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit
 
 
 def lora_4bit_forward(
@@ -79,10 +79,15 @@ def lora_4bit_forward(
     dtype = compute_dtype(x)
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    if getattr(base, "fp8_grad", None) is not None:  # 4-bit storage, FP8 compute
-        x = x.to(dtype)
-        y = linear_4bit_fp8_storage(x, storage, base.fp8_grad)
-        y = add_lora(y, x, lora_a.weight.to(dtype), lora_b.weight.to(dtype), module.scaling[adapter])
+    if getattr(base, "fp8_grad", None) is not None:  # 4-bit storage, FP8 compute, one op
+        y = lora_4bit_fp8_storage(
+            x.to(dtype),
+            storage,
+            lora_a.weight.to(dtype),
+            lora_b.weight.to(dtype),
+            module.scaling[adapter],
+            base.fp8_grad,
+        )
     else:
         y = linear_4bit(
             x.to(dtype),

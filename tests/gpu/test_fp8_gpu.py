@@ -10,8 +10,9 @@ from lightning.pytorch import seed_everything
 from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision
 from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.ops.fp8 import linear_fp8, lora_linear_fp8, scaled_mm_applies
+from lightning_sloth.ops.fp8 import linear_fp8, scaled_mm_applies
 from lightning_sloth.ops.fp8_formats import fp8_linear_grad_reference, fp8_linear_reference, quantize_rows
+from lightning_sloth.ops.fp8_lora import lora_linear_fp8
 from lightning_sloth.quant.fp8 import LinearFP8
 
 pytestmark = pytest.mark.gpu  # on a GPU with FP8 tensor cores (sm89+: Ada, Hopper)

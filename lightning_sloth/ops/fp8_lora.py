@@ -1,0 +1,335 @@
+"""LoRA over a frozen FP8 base as one op: ``sloth::lora_linear_fp8`` (the base stored in e4m3,
+:class:`~lightning_sloth.quant.fp8.LinearFP8`) and ``sloth::lora_linear_4bit_fp8`` (stored in 4 bits,
+computed in FP8: QLoRA with ``base_dtype="fp8"``).
+
+``y = x W^T + s (x A^T) B^T`` with the adapter's ``B`` product added into the FP8 GEMM's output, and
+``dx = dy W + (s dy B) A`` with the adapter's part added into the FP8 input-gradient GEMM's output:
+no separate ``[M, out]`` or ``[M, in]`` sums. The base products are :mod:`lightning_sloth.ops.fp8`'s
+(``_scaled_mm`` where it applies, else the plain-torch emulation); ``x A^T`` is kept for ``dB``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_sloth.ops.fp8 import _E4M3, _check, _grad_product, _product, fp8_from_4bit
+from lightning_sloth.ops.fp8_formats import check_grad_format
+from lightning_sloth.ops.nf4 import _check_storage
+from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
+
+__all__ = ["lora_linear_4bit_fp8", "lora_linear_fp8"]
+
+
+# ------------------------------------------------------------------ LoRA over an FP8 base, one op
+@sloth_op("lora_linear_fp8")
+def _lora_op(
+    x: Tensor,
+    weight_bits: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+) -> tuple[Tensor, Tensor]:
+    """``(y, xa)`` for ``x [M, K]``: ``y = x W^T + scale (x A^T) B^T`` with the B product added
+    into the FP8 GEMM's output; ``xa = x A^T`` is kept for the backward."""
+    xa = x @ lora_a.t()
+    if x.shape[0] == 0:
+        y = x.new_zeros(0, weight_bits.shape[0])
+    else:
+        y = _product(x, weight_bits.view(_E4M3), weight_scale)
+    if lora_a.shape[0]:
+        y.addmm_(xa, lora_b.t(), alpha=scale)
+    return y, xa
+
+
+@_lora_op.register_fake
+def _lora_fake(x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format):
+    return x.new_empty((x.shape[0], weight_bits.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
+
+
+@sloth_op("lora_linear_fp8_backward")
+def _lora_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    weight_bits: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+    grad_x: bool,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dA, dB)`` (empty where not asked for): ``dx = dy W + (scale dy B) A``, the adapter's
+    part added into the FP8 input-gradient GEMM's output (no separate sum of two ``[M, K]``)."""
+    g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
+    dx = x.new_empty(0)
+    if grad_x:
+        if grad_y.shape[0]:
+            dx = _grad_product(grad_y, weight_bits.view(_E4M3), weight_scale, grad_format)
+        else:
+            dx = x.new_zeros(0, x.shape[1])
+        if lora_a.shape[0]:
+            dx.addmm_(g, lora_a)
+    da = g.t() @ x if grad_a else x.new_empty(0)
+    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    return dx, da, db
+
+
+@_lora_backward_op.register_fake
+def _lora_backward_fake(
+    grad_y, x, xa, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
+):
+    return (
+        torch.empty_like(x) if grad_x else x.new_empty(0),
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
+def _lora_setup(ctx, inputs, output):
+    x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], weight_bits, weight_scale, lora_a, lora_b)
+    ctx.scale, ctx.grad_format = scale, grad_format
+
+
+def _lora_backward(ctx, grad_y, _grad_xa):
+    need = ctx.needs_input_grad
+    if need[1] or need[2]:
+        raise RuntimeError("sloth::lora_linear_fp8: the FP8 base weight is frozen; it has no gradient")
+    x, xa, weight_bits, weight_scale, lora_a, lora_b = ctx.saved_tensors
+    dx, da, db = call(
+        _lora_backward_op,
+        grad_y.contiguous(), x, xa, weight_bits, weight_scale, lora_a, lora_b, ctx.scale, ctx.grad_format,
+        need[0], need[3], need[4],
+    )  # fmt: skip
+    return dx if need[0] else None, None, None, da if need[3] else None, db if need[4] else None, None, None
+
+
+register_autograd(_lora_op, _lora_backward, _lora_setup)
+
+
+def _lora_forward_flops(x, w, s, a, b, scale, fmt, out_shape=None) -> int:
+    m, k = x
+    n, r = b
+    return 2 * m * k * (n + r) + 2 * m * r * n
+
+
+def _lora_backward_flops(dy, x, xa, w, s, a, b, scale, fmt, gx, ga, gb, out_shape=None) -> int:
+    m, n = dy
+    k, r = x[1], a[0]
+    flops = 2 * m * n * r if (gx or ga) else 0  # g = dy B
+    flops += (2 * m * n * k + 2 * m * r * k) if gx else 0  # dy W + g A
+    flops += 2 * r * m * k if ga else 0
+    return flops + (2 * n * m * r if gb else 0)
+
+
+register_flops(_lora_op, _lora_forward_flops)
+register_flops(_lora_backward_op, _lora_backward_flops)
+
+
+def lora_linear_fp8(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str = "e4m3",
+) -> Tensor:
+    """``x W^T + scale (x A^T) B^T`` for the frozen FP8 ``W`` and trained LoRA factors, as one op.
+
+    The same products as :func:`linear_fp8` plus PEFT's LoRA, with the adapter's parts added into
+    the FP8 GEMMs' outputs (forward and input gradient) instead of summed in separate passes.
+
+    Args:
+        x: ``[..., in]`` float16/bfloat16/float32.
+        weight, weight_scale: W's ``[out, in]`` ``float8_e4m3fn`` codes and ``[out, 1]`` float32 scales.
+        lora_a, lora_b: ``[r, in]`` and ``[out, r]`` in x's dtype.
+        scale: the adapter's scaling.
+        grad_format: ``"e4m3"``, ``"e5m2"`` or ``"bf16"`` (:func:`linear_fp8`).
+
+    Returns:
+        ``[..., out]`` in x's dtype; gradients flow to x, A and B.
+    """
+    _check(x, weight, weight_scale, "lora_linear_fp8")
+    out_features, in_features = weight.shape
+    if (
+        x.shape[-1] != in_features
+        or tuple(lora_a.shape[1:]) != (in_features,)
+        or lora_b.shape
+        != (
+            out_features,
+            lora_a.shape[0],
+        )
+    ):
+        raise ValueError(
+            f"lora_linear_fp8: x {tuple(x.shape)}, A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do "
+            f"not fit the weight {tuple(weight.shape)} [out, in]"
+        )
+    if lora_a.dtype != x.dtype or lora_b.dtype != x.dtype:
+        raise TypeError(
+            f"lora_linear_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})"
+        )
+    rows = x.reshape(-1, in_features)
+    y, _ = call(
+        _lora_op, rows, weight.view(torch.uint8), weight_scale, lora_a, lora_b, float(scale),
+        check_grad_format(grad_format),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
+
+
+# ------------------------------------------------------------------ LoRA over a 4-bit base, FP8 compute, one op
+@sloth_op("lora_linear_4bit_fp8")
+def _lora_4bit_op(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+) -> tuple[Tensor, Tensor]:
+    """``(y, xa)``: :func:`_lora_op`'s products for a 4-bit ``W [out, in]`` (``out`` from ``lora_b``),
+    decoded and quantised to e4m3 inside the op as :func:`linear_4bit_fp8` does."""
+    n = lora_b.shape[0]
+    xa = x @ lora_a.t()
+    if x.shape[0] == 0:
+        y = x.new_zeros(0, n)
+    else:
+        y = _product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
+    if lora_a.shape[0]:
+        y.addmm_(xa, lora_b.t(), alpha=scale)
+    return y, xa
+
+
+@_lora_4bit_op.register_fake
+def _lora_4bit_fake(x, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format):
+    return x.new_empty((x.shape[0], lora_b.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
+
+
+@sloth_op("lora_linear_4bit_fp8_backward")
+def _lora_4bit_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+    grad_x: bool,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dA, dB)`` of :func:`_lora_4bit_op` (empty where not asked for), the weight decoded again."""
+    g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
+    dx = x.new_empty(0)
+    if grad_x:
+        if grad_y.shape[0]:
+            codes, codes_scale = fp8_from_4bit(packed, absmax, code, blocksize, (grad_y.shape[1], x.shape[1]))
+            dx = _grad_product(grad_y, codes, codes_scale, grad_format)
+        else:
+            dx = x.new_zeros(0, x.shape[1])
+        if lora_a.shape[0]:
+            dx.addmm_(g, lora_a)
+    da = g.t() @ x if grad_a else x.new_empty(0)
+    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    return dx, da, db
+
+
+@_lora_4bit_backward_op.register_fake
+def _lora_4bit_backward_fake(
+    grad_y, x, xa, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
+):
+    return (
+        torch.empty_like(x) if grad_x else x.new_empty(0),
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
+def _lora_4bit_setup(ctx, inputs, output):
+    x, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], packed, absmax, code, lora_a, lora_b)
+    ctx.blocksize, ctx.scale, ctx.grad_format = blocksize, scale, grad_format
+
+
+def _lora_4bit_backward(ctx, grad_y, _grad_xa):
+    need = ctx.needs_input_grad
+    if any(need[1:4]):
+        raise RuntimeError("sloth::lora_linear_4bit_fp8: the 4-bit base weight is frozen; it has no gradient")
+    x, xa, packed, absmax, code, lora_a, lora_b = ctx.saved_tensors
+    dx, da, db = call(
+        _lora_4bit_backward_op,
+        grad_y.contiguous(), x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale,
+        ctx.grad_format, need[0], need[5], need[6],
+    )  # fmt: skip
+    da, db = (da if need[5] else None), (db if need[6] else None)
+    return dx if need[0] else None, None, None, None, None, da, db, None, None
+
+
+def _lora_4bit_forward_flops(x, p, a_max, c, blocksize, a, b, scale, fmt, out_shape=None) -> int:
+    return _lora_forward_flops(x, (b[0], x[1]), None, a, b, scale, fmt) + x[1] * b[0]  # + the decode
+
+
+def _lora_4bit_backward_flops(
+    dy, x, xa, p, a_max, c, blocksize, a, b, scale, fmt, gx, ga, gb, out_shape=None
+) -> int:
+    w = (dy[1], x[1])
+    return _lora_backward_flops(dy, x, xa, w, None, a, b, scale, fmt, gx, ga, gb) + (w[0] * w[1] if gx else 0)
+
+
+register_autograd(_lora_4bit_op, _lora_4bit_backward, _lora_4bit_setup)
+register_flops(_lora_4bit_op, _lora_4bit_forward_flops)
+register_flops(_lora_4bit_backward_op, _lora_4bit_backward_flops)
+
+
+def lora_linear_4bit_fp8(
+    x: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str = "e4m3",
+) -> Tensor:
+    """QLoRA with FP8 compute as one op: ``x W^T + scale (x A^T) B^T`` for a frozen 4-bit ``W``
+    (``[out, in]``, ``out = lora_b.shape[0]``) computed as :func:`linear_4bit_fp8` computes it, the
+    adapter's parts added into the FP8 products' outputs (:func:`lora_linear_fp8`). The weight stays
+    in 4 bits; nothing dense is saved for the backward.
+
+    Returns:
+        ``[..., out]`` in x's dtype; gradients flow to x, A and B.
+    """
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"lora_linear_4bit_fp8 computes in float16/bfloat16/float32, got {x.dtype}")
+    out_features, in_features = lora_b.shape[0], x.shape[-1]
+    if tuple(lora_a.shape[1:]) != (in_features,) or lora_b.shape[1] != lora_a.shape[0]:
+        raise ValueError(
+            f"lora_linear_4bit_fp8: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {tuple(x.shape)}"
+        )
+    if lora_a.dtype != x.dtype or lora_b.dtype != x.dtype:
+        raise TypeError(
+            f"lora_linear_4bit_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})"
+        )
+    _check_storage(packed, absmax, code, blocksize, out_features * in_features)
+    rows = x.reshape(-1, in_features)
+    y, _ = call(
+        _lora_4bit_op, rows, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale),
+        check_grad_format(grad_format),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
