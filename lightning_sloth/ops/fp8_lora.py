@@ -18,7 +18,55 @@ from lightning_sloth.ops.fp8_formats import check_grad_format
 from lightning_sloth.ops.nf4 import _check_storage
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
-__all__ = ["lora_linear_4bit_fp8", "lora_linear_fp8"]
+__all__ = ["UnreadSumFP8", "lora_linear_4bit_fp8", "lora_linear_fp8"]
+
+
+class UnreadSumFP8(torch.autograd.Function):
+    """``residual + y`` of a LoRA layer over an FP8 (or 4-bit storage, FP8 compute) base when
+    nothing reads the sum's values, only its gradients (a checkpointed layer's recompute): the
+    forward keeps what the backward reads (x and ``xa = x A^T``) and skips the base product, its
+    quantisation (and a 4-bit weight's decode), returning uninitialised memory; the backward is the
+    op's (``backward_op``: :func:`_lora_backward_op` or :func:`_lora_4bit_backward_op`, the same
+    products, the same values), with the sum's gradient passed to ``residual`` too. As
+    ``ops.lora.UnreadSum`` and ``ops.nf4.UnreadSum4bit`` for 16-bit and 4-bit bases.
+
+    ``forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_op, constants, *storage)``:
+    ``storage`` the base's tensors and ``constants`` its other arguments, in the backward op's order.
+    """
+
+    @staticmethod
+    def forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_op, constants, *storage):
+        rows = x.reshape(-1, x.shape[-1])
+        xa = rows @ lora_a.t()
+        ctx.save_for_backward(rows, xa, lora_a, lora_b, *storage)
+        ctx.scale, ctx.grad_format, ctx.op, ctx.constants, ctx.x_shape = (
+            scale, grad_format, backward_op, constants, x.shape,
+        )  # fmt: skip
+        # The sum's dtype, as ``residual + y`` promotes (a float32 residual stream under autocast).
+        return residual.new_empty(residual.shape, dtype=torch.promote_types(residual.dtype, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, xa, lora_a, lora_b, *storage = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if any(need[8:]):
+            raise RuntimeError("lightning_sloth: the FP8 / 4-bit base weight is frozen; it has no gradient")
+        grad_y = (grad if grad.dtype == rows.dtype else grad.to(rows.dtype)).reshape(-1, lora_b.shape[0])
+        dx, da, db = call(
+            ctx.op, grad_y.contiguous(), rows, xa, *storage, *ctx.constants, lora_a, lora_b, ctx.scale,
+            ctx.grad_format, need[1], need[2], need[3],
+        )  # fmt: skip
+        dx = dx.view(ctx.x_shape) if need[1] else None
+        da, db = (da if need[2] else None), (db if need[3] else None)
+        return grad if need[0] else None, dx, da, db, None, None, None, None, *([None] * len(storage))
+
+
+def _check_unread(residual: Tensor, x: Tensor, out_features: int) -> None:
+    if residual.shape != (*x.shape[:-1], out_features) or not residual.is_floating_point():
+        raise ValueError(
+            f"unread_sum_with must be a floating [..., out] residual of shape {(*x.shape[:-1], out_features)}, "
+            f"got {residual.dtype} {tuple(residual.shape)}"
+        )
 
 
 # ------------------------------------------------------------------ LoRA over an FP8 base, one op
@@ -141,6 +189,7 @@ def lora_linear_fp8(
     lora_b: Tensor,
     scale: float,
     grad_format: str = "e4m3",
+    unread_sum_with: Tensor | None = None,
 ) -> Tensor:
     """``x W^T + scale (x A^T) B^T`` for the frozen FP8 ``W`` and trained LoRA factors, as one op.
 
@@ -153,6 +202,8 @@ def lora_linear_fp8(
         lora_a, lora_b: ``[r, in]`` and ``[out, r]`` in x's dtype.
         scale: the adapter's scaling.
         grad_format: ``"e4m3"``, ``"e5m2"`` or ``"bf16"`` (:func:`linear_fp8`).
+        unread_sum_with: a residual ``[..., out]``: returns ``residual + y`` for a backward only, its
+            values never computed (:class:`UnreadSumFP8`: no quantisation, no base product).
 
     Returns:
         ``[..., out]`` in x's dtype; gradients flow to x, A and B.
@@ -175,6 +226,13 @@ def lora_linear_fp8(
     if lora_a.dtype != x.dtype or lora_b.dtype != x.dtype:
         raise TypeError(
             f"lora_linear_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})"
+        )
+    if unread_sum_with is not None:
+        _check_unread(unread_sum_with, x, out_features)
+        bits = (weight.view(torch.uint8), weight_scale)
+        fmt = check_grad_format(grad_format)
+        return UnreadSumFP8.apply(
+            unread_sum_with, x, lora_a, lora_b, float(scale), fmt, _lora_backward_op, (), *bits
         )
     rows = x.reshape(-1, in_features)
     y, _ = call(
@@ -306,11 +364,13 @@ def lora_linear_4bit_fp8(
     lora_b: Tensor,
     scale: float,
     grad_format: str = "e4m3",
+    unread_sum_with: Tensor | None = None,
 ) -> Tensor:
     """QLoRA with FP8 compute as one op: ``x W^T + scale (x A^T) B^T`` for a frozen 4-bit ``W``
     (``[out, in]``, ``out = lora_b.shape[0]``) computed as :func:`linear_4bit_fp8` computes it, the
     adapter's parts added into the FP8 products' outputs (:func:`lora_linear_fp8`). The weight stays
-    in 4 bits; nothing dense is saved for the backward.
+    in 4 bits; nothing dense is saved for the backward. ``unread_sum_with``: as
+    :func:`lora_linear_fp8`'s (no decode either).
 
     Returns:
         ``[..., out]`` in x's dtype; gradients flow to x, A and B.
@@ -327,6 +387,21 @@ def lora_linear_4bit_fp8(
             f"lora_linear_4bit_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})"
         )
     _check_storage(packed, absmax, code, blocksize, out_features * in_features)
+    if unread_sum_with is not None:
+        _check_unread(unread_sum_with, x, out_features)
+        fmt = check_grad_format(grad_format)
+        storage = (packed, absmax, code)
+        return UnreadSumFP8.apply(
+            unread_sum_with,
+            x,
+            lora_a,
+            lora_b,
+            float(scale),
+            fmt,
+            _lora_4bit_backward_op,
+            (int(blocksize),),
+            *storage,
+        )
     rows = x.reshape(-1, in_features)
     y, _ = call(
         _lora_4bit_op, rows, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale),

@@ -194,31 +194,57 @@ def add_lora(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float)
     return out.view(y.shape)
 
 
+def plain_fp8(base: LinearFP8) -> bool:
+    """Whether ``base`` runs :class:`LinearFP8`'s own forward, without hooks (so an op may compute
+    its product instead of the module)."""
+    plain = type(base).forward is LinearFP8.forward and "forward" not in vars(base)
+    return plain and not (base._forward_hooks or base._forward_pre_hooks)
+
+
 def lora_fp8_forward(
-    base: LinearFP8, x: Tensor, lora_a: nn.Linear, lora_b: nn.Linear, scale: float
+    base: LinearFP8,
+    x: Tensor,
+    lora_a: nn.Linear,
+    lora_b: nn.Linear,
+    scale: float,
+    unread_sum_with: Tensor | None = None,
 ) -> Tensor:
     """``base(x) + scale * (x A^T) B^T`` for a :class:`LinearFP8` ``base``: the base product in FP8,
     the adapters in the compute dtype (autocast's, else x's; adapters stored otherwise are cast,
     gradients flow through the cast). One op, ``sloth::lora_linear_fp8``, adds the adapter's parts
     into the FP8 GEMMs' outputs; a base with hooks of its own (or another forward) runs through the
-    module, with the adapter's product added beside it."""
+    module, with the adapter's product added beside it. ``unread_sum_with``: a residual, for
+    ``residual + y`` in a backward only (:class:`~lightning_sloth.ops.fp8_lora.UnreadSumFP8`; a plain
+    base without bias)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
     lora_a, lora_b = lora_a.weight.to(dtype), lora_b.weight.to(dtype)
-    plain = type(base).forward is LinearFP8.forward and "forward" not in vars(base)
-    if plain and not (base._forward_hooks or base._forward_pre_hooks):
-        y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format)
-        return y + base.bias.to(dtype) if base.bias is not None else y
-    return add_lora(base(x), x, lora_a, lora_b, scale)
+    if plain_fp8(base):
+        unread = unread_sum_with if base.bias is None else None
+        y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format, unread)
+        if unread is not None:
+            return y
+        y = y + base.bias.to(dtype) if base.bias is not None else y
+    else:
+        y = add_lora(base(x), x, lora_a, lora_b, scale)
+    return y if unread_sum_with is None else unread_sum_with + y
 
 
 def lora_4bit_fp8_storage(
-    x: Tensor, storage, lora_a: Tensor, lora_b: Tensor, scale: float, grad_format: str
+    x: Tensor,
+    storage,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+    unread_sum_with: Tensor | None = None,
 ) -> Tensor:
     """``sloth::lora_linear_4bit_fp8`` on a :class:`~lightning_sloth.quant.linear.Packed4bit`: QLoRA
-    with FP8 compute, the adapter's parts added into the FP8 products (x, A and B in one dtype)."""
+    with FP8 compute, the adapter's parts added into the FP8 products (x, A and B in one dtype);
+    ``unread_sum_with`` as :func:`~lightning_sloth.ops.fp8_lora.lora_linear_4bit_fp8`'s."""
+    absmax, blocksize = storage.block_absmax(), storage.blocksize
     return lora_linear_4bit_fp8(
-        x, storage.packed, storage.block_absmax(), storage.code, storage.blocksize, lora_a, lora_b, scale, grad_format
+        x, storage.packed, absmax, storage.code, blocksize, lora_a, lora_b, scale, grad_format, unread_sum_with
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.quant.fp8 import LinearFP8, lora_4bit_fp8_storage, lora_fp8_forward
+from lightning_sloth.quant.fp8 import LinearFP8, lora_4bit_fp8_storage, lora_fp8_forward, plain_fp8
 from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit
 
 
@@ -31,9 +31,9 @@ def lora_4bit_forward(
         x: ``[..., in]`` input.
         overwrite_input: on a 4-bit base, the backward writes x's gradient into x's memory (an x
             nothing else reads afterwards; see :func:`~lightning_sloth.ops.nf4.lora_linear_4bit`).
-        unread_sum_with: on a 4-bit base, a residual ``[..., out]`` in the compute dtype: returns
-            ``residual + module(x)`` for a backward only, its values never computed (a checkpoint's
-            recompute); None where that does not apply (FP8 compute, a base bias, another shape).
+        unread_sum_with: a residual ``[..., out]`` in the compute dtype: returns ``residual +
+            module(x)`` for a backward only, its values never computed (a checkpoint's recompute);
+            None where that does not apply (a base bias, an FP8 base with hooks, another shape).
 
     Returns:
         ``[..., out]``, or None (the caller runs the module's own forward).
@@ -56,8 +56,7 @@ def lora_4bit_forward(
         return None
     unread = unread_sum_with
     if unread is not None and (
-        isinstance(base, LinearFP8)
-        or getattr(base, "fp8_grad", None) is not None
+        (isinstance(base, LinearFP8) and not plain_fp8(base))
         or getattr(base, "bias", None) is not None
         or unread.shape != (*x.shape[:-1], lora_b.weight.shape[0])
         or not unread.is_floating_point()
@@ -70,7 +69,7 @@ def lora_4bit_forward(
             torch.float32,
         ):
             return None
-        return lora_fp8_forward(base, x, lora_a, lora_b, module.scaling[adapter])
+        return lora_fp8_forward(base, x, lora_a, lora_b, module.scaling[adapter], unread)
     storage = four_bit_storage(base)
     if storage is None:
         return None
@@ -87,6 +86,7 @@ def lora_4bit_forward(
             lora_b.weight.to(dtype),
             module.scaling[adapter],
             base.fp8_grad,
+            unread,
         )
     else:
         y = linear_4bit(

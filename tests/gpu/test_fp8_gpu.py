@@ -80,6 +80,32 @@ def test_lora_over_fp8_in_one_op_matches_the_composed_products(grad_format):
     )
 
 
+def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients():
+    """On the FP8 tensor cores: a tiny Llama (widths multiples of 16, so ``_scaled_mm`` runs) with FP8
+    bases, bf16 autocast, trains one step with the recompute's down projection skipped
+    (``UnreadSumFP8``) and without: the same loss and every LoRA gradient bit for bit."""
+    from _models import add_lora, packed_batch, random_documents, tiny_llama
+
+    from lightning_sloth.quant.fp8 import fp8_base_model
+    from lightning_sloth.transform import transform_model
+
+    batch = packed_batch(random_documents([300, 120, 93], seed=4), pad_to=528).to("cuda")
+    results = []
+    for skip in (False, True):
+        model = add_lora(tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)).cuda().train()
+        fp8_base_model(model)
+        report = transform_model(model, kernels=True)
+        report.checkpointing.skip_unread_output = skip
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss_full, grads_full), (loss, grads) = results
+    assert torch.equal(loss, loss_full) and grads.keys() == grads_full.keys() and grads
+    for name, g in grads_full.items():
+        assert torch.equal(grads[name], g), name
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("width", [53, 4096, 14336])
 def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
