@@ -27,6 +27,7 @@ from lightning_sloth.bench.measure import (
     environment,
     forward_backward,
     gpu_busy_ms,
+    gpu_kernel_table,
     inactive_expert_parameters,
     make_optimizer,
     memory_plan_record,
@@ -62,7 +63,8 @@ def run_system(
         if step == steps + (profile_to is not None):
             break
         if step == steps:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             profiler.__enter__()
         micro_batches, num_items = stage_batch(micro_batches, targets)
         torch.cuda.synchronize()
@@ -86,7 +88,13 @@ def run_system(
                     f"{name}: step {elapsed * 1e3:.1f} ms (profiled), GPU busy {busy_ms:.1f} ms "
                     f"({busy_ms / (elapsed * 1e3):.0%}): the rest the GPU waited for the host\n\n"
                 )
-                fh.write(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                fh.write(f"{'GPU ms':>9} {'calls':>6}  kernel or copy\n")
+                for row in gpu_kernel_table(profiler.events(), top=40):
+                    fh.write(f"{row['ms']:9.1f} {row['calls']:6d}  {row['name']}\n")
+                # Which operators (and input shapes) launched them: copies and casts show up here.
+                fh.write("\nOperators by input shape, by the GPU time they launched:\n")
+                by_shape = profiler.key_averages(group_by_input_shape=True)
+                fh.write(by_shape.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
             break
         losses.append(float(loss))
         if step >= workload.warmup_steps:
