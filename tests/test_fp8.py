@@ -447,6 +447,70 @@ def test_lora_over_4bit_storage_with_fp8_compute_in_one_op_equals_it_over_the_fp
         lora_linear_4bit_fp8(x, *bits, a[:, :10], b, 0.25)
 
 
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_layers_sharing_an_input_over_fp8_bases_quantise_it_once_with_the_layers_outputs(grad_format, monkeypatch):
+    """q/k/v (or gate/up) over FP8 bases as one node: x quantised once instead of once per layer, the
+    outputs bit for bit the separate ``lora_linear_fp8`` ops', every gradient theirs (float32, up to
+    the order of the sums)."""
+    from lightning_sloth.ops import fp8_formats, fp8_lora
+
+    gen = torch.Generator().manual_seed(15)
+    weights = [quantize_rows(torch.randn(n, 64, generator=gen) * 0.1, "e4m3") for n in (64, 32, 32)]
+    a = [torch.randn(8, 64, generator=gen) for _ in weights]
+    b = [torch.randn(n, 8, generator=gen) for n in (64, 32, 32)]
+    x = torch.randn(1, 37, 64, generator=gen)
+    dys = [torch.randn(1, 37, n, generator=gen) for n in (64, 32, 32)]
+    calls = []
+
+    def counting(t, fmt):
+        calls.append(tuple(t.shape))
+        return quantize_rows(t, fmt)
+
+    monkeypatch.setattr(fp8_formats, "quantize_rows", counting)
+    monkeypatch.setattr(fp8_lora, "quantize_rows", counting)
+    results = []
+    for grouped in (True, False):
+        xs = x.clone().requires_grad_()
+        as_ = [t.clone().requires_grad_() for t in a]
+        bs = [t.clone().requires_grad_() for t in b]
+        calls.clear()
+        if grouped:
+            bits = [c.view(torch.uint8) for c, _ in weights]
+            ys = fp8_lora.SharedInputLoraFP8.apply(xs, (0.5,) * 3, grad_format, *bits, *[s for _, s in weights], *as_, *bs)
+        else:
+            ys = [lora_linear_fp8(xs, c, s, ai, bi, 0.5, grad_format) for (c, s), ai, bi in zip(weights, as_, bs)]
+        forward_quantisations = calls.count((37, 64))
+        torch.autograd.backward(ys, dys)
+        results.append(([y.detach() for y in ys], (xs.grad, *[t.grad for t in as_], *[t.grad for t in bs])))
+        assert forward_quantisations == (1 if grouped else 3)
+    (got_y, got_g), (want_y, want_g) = results
+    for got, want in zip(got_y, want_y):
+        assert torch.equal(got, want)
+    for got, want in zip(got_g, want_g):  # sums in another order: a few float32 ulps of the largest
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+def test_a_model_with_fp8_bases_groups_q_k_v_and_gate_up_with_the_same_loss_and_gradients():
+    """In a model, grouped layers over FP8 bases (the default) give the loss of the layers one by one
+    bit for bit and the same gradients (float32, relative 1e-5); the report's groups hold them."""
+    batch = packed_batch(random_documents([23, 17, 30], seed=3))
+    results = []
+    for grouped in (True, False):
+        model = add_lora(tiny_llama())
+        fp8_base_model(model, grad_format="bf16")
+        report = transform_model(model, kernels=True)
+        assert [len(g) for g in report.checkpointing._groups[0]] == [3, 2]
+        report.checkpointing.group_projections = grouped
+        model.train()
+        loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, grads), (want_loss, want_grads) = results
+    assert torch.equal(loss, want_loss)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_qlora_with_fp8_compute_keeps_the_4bit_storage_and_equals_fp8_bases_of_its_weights():
     from lightning_sloth.quant import dequantize_4bit_reference
 

@@ -10,15 +10,26 @@ no separate ``[M, out]`` or ``[M, in]`` sums. The base products are :mod:`lightn
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from collections.abc import Sequence
 
-from lightning_sloth.ops.fp8 import _E4M3, _check, _grad_product, _product, fp8_from_4bit
-from lightning_sloth.ops.fp8_formats import check_grad_format
+import torch
+from torch import Tensor, nn
+
+from lightning_sloth.ops.fp8 import (
+    _E4M3,
+    _check,
+    _grad_product,
+    _product,
+    _quantize,
+    fp8_from_4bit,
+    scaled_mm_applies,
+)
+from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, quantize_rows
+from lightning_sloth.ops.lora_layers import ADAPTER_CASTS, cast_adapter, plain_parts
 from lightning_sloth.ops.nf4 import _check_storage
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
-__all__ = ["UnreadSumFP8", "lora_linear_4bit_fp8", "lora_linear_fp8"]
+__all__ = ["UnreadSumFP8", "lora_linear_4bit_fp8", "lora_linear_fp8", "plain_fp8", "shared_input_fp8"]
 
 
 class UnreadSumFP8(torch.autograd.Function):
@@ -408,3 +419,143 @@ def lora_linear_4bit_fp8(
         check_grad_format(grad_format),
     )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
+
+
+# ------------------------------------------------------------------ layers that read one input, FP8 bases
+def plain_fp8(base: nn.Module) -> bool:
+    """Whether ``base`` is an FP8 base layer (``quant.fp8.LinearFP8``: its class marks its own forward
+    as ``fp8_module_forward``) running that forward, without hooks or bias, so an op may compute its
+    product instead of the module."""
+    cls_forward = getattr(type(base), "fp8_module_forward", None)
+    return (
+        cls_forward is not None
+        and type(base).forward is cls_forward
+        and "forward" not in vars(base)
+        and not (base._forward_hooks or base._forward_pre_hooks)
+    )
+
+
+class SharedInputLoraFP8(torch.autograd.Function):
+    """LoRA layers over FP8 bases that read one input x (q/k/v, gate/up) as one node: x quantised
+    once for all their FP8 products (instead of once per layer), read once for all ``dA_i`` (one
+    product with the stacked A's), and ``dx = sum_i dy_i W_i + (sum_i s_i dy_i B_i) A`` with the
+    adapters' part in one product. The outputs are the separate layers' bit for bit (each base
+    product is :func:`_lora_op`'s, each ``x A_i^T`` its own product); the gradients are theirs up to
+    the order of the sums.
+
+    ``forward(ctx, x, scales, grad_format, *tensors)``: ``tensors`` the layers' codes (uint8), their
+    scales, then the A's and the B's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, scales, grad_format, *tensors):
+        n = len(scales)
+        bits, w_scales, adapters_a, adapters_b = (tensors[i * n : (i + 1) * n] for i in range(4))
+        rows = x.reshape(-1, x.shape[-1])
+        # Each x A_i^T on its own (not one product with the stacked A's): the outputs then equal the
+        # separate layers' bit for bit, as FP8's rounding of what follows needs (a last-bit change in
+        # an output can move the next layer's e4m3 codes by a whole step).
+        xa = torch.cat([rows @ a.t() for a in adapters_a], dim=1)
+        weights = [b.view(_E4M3) for b in bits]
+        # x quantised once: for the FP8 GEMMs where they run, else for the emulation (which then
+        # computes exactly what fp8_linear_reference does per layer).
+        fp8_gemm = rows.shape[0] and all(scaled_mm_applies(rows, w.shape[0]) for w in weights)
+        if fp8_gemm:
+            qx, sx = _quantize(rows, "e4m3")
+        elif rows.shape[0]:
+            x_dq = dequantize_rows(*quantize_rows(rows, "e4m3"))
+        outputs, start = [], 0
+        for w, w_scale, a, b, scale in zip(weights, w_scales, adapters_a, adapters_b, scales):
+            if rows.shape[0] == 0:
+                y = rows.new_zeros(0, w.shape[0])
+            elif fp8_gemm:
+                y = torch._scaled_mm(qx, w.t(), scale_a=sx, scale_b=w_scale.t(), out_dtype=rows.dtype)
+            else:
+                y = (x_dq @ dequantize_rows(w, w_scale).t()).to(rows.dtype)
+            r = a.shape[0]
+            if r:
+                y.addmm_(xa[:, start : start + r], b.t(), alpha=scale)
+            start += r
+            outputs.append(y.view(*x.shape[:-1], w.shape[0]))
+        ctx.save_for_backward(rows, xa, *tensors)
+        ctx.x_shape, ctx.scales, ctx.grad_format = x.shape, scales, grad_format
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows, xa, *tensors = ctx.saved_tensors
+        n = len(ctx.scales)
+        bits, w_scales, adapters_a, adapters_b = (tensors[i * n : (i + 1) * n] for i in range(4))
+        needs = ctx.needs_input_grad
+        if any(needs[3 : 3 + 2 * n]):
+            raise RuntimeError("sloth: the FP8 base weights are frozen; they have no gradient")
+        need_x = needs[0]
+        d_a: list[Tensor | None] = [None] * n
+        d_b: list[Tensor | None] = [None] * n
+        dx = None
+        gs, a_rows, offsets, start = [], [], [], 0
+        for i, (w_bits, w_scale, a, b, scale) in enumerate(
+            zip(bits, w_scales, adapters_a, adapters_b, ctx.scales)
+        ):
+            r = a.shape[0]
+            part = xa[:, start : start + r]
+            start += r
+            if grads[i] is None:
+                continue
+            dy = grads[i].reshape(-1, grads[i].shape[-1]).to(rows.dtype).contiguous()
+            if needs[3 + 3 * n + i]:
+                d_b[i] = dy.t() @ (part * scale)
+            if need_x or needs[3 + 2 * n + i]:
+                gs.append((dy @ b) * scale)
+                a_rows.append(a)
+                offsets.append(i)
+            if need_x:
+                if dy.shape[0]:
+                    base = _grad_product(dy, w_bits.view(_E4M3), w_scale, ctx.grad_format)
+                else:
+                    base = rows.new_zeros(0, rows.shape[1])
+                dx = base if dx is None else dx.add_(base)
+        if gs:
+            g_all = torch.cat(gs, dim=1) if len(gs) > 1 else gs[0]
+            a_all = torch.cat(a_rows) if len(a_rows) > 1 else a_rows[0]
+            if any(needs[3 + 2 * n + i] for i in offsets):
+                d_a_all = g_all.t() @ rows
+                for i, piece in zip(offsets, d_a_all.split([adapters_a[i].shape[0] for i in offsets])):
+                    if needs[3 + 2 * n + i]:
+                        d_a[i] = piece
+            if need_x and g_all.shape[1]:
+                dx.addmm_(g_all, a_all)
+        dx = dx.view(ctx.x_shape) if dx is not None and need_x else None
+        return (dx, None, None, *([None] * (2 * n)), *d_a, *d_b)
+
+
+def shared_input_fp8(modules: Sequence[nn.Module], x: Tensor) -> tuple[Tensor, ...] | None:
+    """The outputs of PEFT LoRA layers over FP8 bases that read ``x``, computed as one
+    :class:`SharedInputLoraFP8` node; None unless every layer is in the plain case (one adapter, no
+    dropout or bias, :func:`plain_fp8` base) with one input-gradient format and x on their device."""
+    resolved = []
+    for module in modules:
+        parts = plain_parts(module)
+        if parts is None or not plain_fp8(parts[1]):
+            return None
+        adapter, base, lora_a, lora_b = parts
+        scale = (
+            module.__dict__["scaling"][adapter] if "scaling" in module.__dict__ else module.scaling[adapter]
+        )
+        resolved.append((base, lora_a._parameters["weight"], lora_b._parameters["weight"], float(scale)))
+    if len({base.grad_format for base, *_ in resolved}) != 1 or resolved[0][0].weight.device != x.device:
+        return None
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    casts = getattr(ADAPTER_CASTS, "copies", None)
+    x_c = x if x.dtype == dtype else x.to(dtype)
+    bits = [base.weight for base, *_ in resolved]
+    w_scales = [base.weight_scale.view(torch.float32) for base, *_ in resolved]
+    adapters_a = [a if a.dtype == dtype else cast_adapter(a, dtype, casts) for _, a, _, _ in resolved]
+    adapters_b = [b if b.dtype == dtype else cast_adapter(b, dtype, casts) for _, _, b, _ in resolved]
+    scales = tuple(scale for *_, scale in resolved)
+    fmt = check_grad_format(resolved[0][0].grad_format)
+    return SharedInputLoraFP8.apply(x_c, scales, fmt, *bits, *w_scales, *adapters_a, *adapters_b)

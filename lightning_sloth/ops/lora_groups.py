@@ -18,6 +18,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
 from lightning_sloth.ops import lora_layers
+from lightning_sloth.ops.fp8_lora import shared_input_fp8
 from lightning_sloth.ops.lora import exact_alpha, scaled_mm
 
 __all__ = ["group_output", "grouped_projections", "shared_input_groups"]
@@ -170,12 +171,14 @@ class _Group:
             if out is not None:
                 return out
         self.pending, self.source = {}, None
+        if module not in self.modules:
+            return None
         resolved = []
         for m in self.modules:
             parts = lora_layers.plain_parts(m)
             found = None if parts is None else lora_layers.compute_parts(m, parts, x)
             if found is None:
-                return None
+                return self._fp8_outputs(module, x)  # FP8 bases, or None: each layer on its own
             resolved.append(found)
         dtype = resolved[0][0]
         if any(r[0] != dtype for r in resolved) or module not in self.modules:
@@ -193,6 +196,14 @@ class _Group:
         ]
         scales = tuple(float(r[4]) for r in resolved)
         outputs = _SharedInputLora.apply(x_c, scales, *weights, *adapters_a, *adapters_b)
+        return self._keep(module, x, outputs)
+
+    def _fp8_outputs(self, module: nn.Module, x: Tensor) -> Tensor | None:
+        outputs = shared_input_fp8(self.modules, x)
+        return None if outputs is None else self._keep(module, x, outputs)
+
+    def _keep(self, module: nn.Module, x: Tensor, outputs: Sequence[Tensor]) -> Tensor:
+        """Keep the other layers' outputs for their calls with this x; return ``module``'s."""
         self.pending = {id(m): y for m, y in zip(self.modules, outputs) if m is not module}
         self.source = (x, x._version)
         return outputs[self.modules.index(module)]

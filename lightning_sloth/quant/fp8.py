@@ -25,7 +25,8 @@ from lightning_sloth.ops.fp8_formats import (
     dequantize_rows,
     quantize_rows,
 )
-from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8
+from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8, plain_fp8
+from lightning_sloth.ops.lora_layers import ADAPTER_CASTS, cast_adapter
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
 from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped, compute_dtype, four_bit_storage
 
@@ -107,6 +108,10 @@ class LinearFP8(nn.Linear):
         dtype = compute_dtype(x)
         y = linear_fp8(x.to(dtype), *self.fp8_weight(), self.grad_format)
         return y + self.bias.to(dtype) if self.bias is not None else y
+
+    # The forward the ops may stand in for (lightning_sloth.ops.fp8_lora.plain_fp8): a subclass that
+    # overrides ``forward`` runs its own.
+    fp8_module_forward = forward
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -194,13 +199,6 @@ def add_lora(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float)
     return out.view(y.shape)
 
 
-def plain_fp8(base: LinearFP8) -> bool:
-    """Whether ``base`` runs :class:`LinearFP8`'s own forward, without hooks (so an op may compute
-    its product instead of the module)."""
-    plain = type(base).forward is LinearFP8.forward and "forward" not in vars(base)
-    return plain and not (base._forward_hooks or base._forward_pre_hooks)
-
-
 def lora_fp8_forward(
     base: LinearFP8,
     x: Tensor,
@@ -218,7 +216,10 @@ def lora_fp8_forward(
     base without bias)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    lora_a, lora_b = lora_a.weight.to(dtype), lora_b.weight.to(dtype)
+    casts = getattr(ADAPTER_CASTS, "copies", None)  # the block's grouped adapter casts, if any
+    lora_a, lora_b = (
+        w if w.dtype == dtype else cast_adapter(w, dtype, casts) for w in (lora_a.weight, lora_b.weight)
+    )
     if plain_fp8(base):
         unread = unread_sum_with if base.bias is None else None
         y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format, unread)
@@ -244,7 +245,16 @@ def lora_4bit_fp8_storage(
     ``unread_sum_with`` as :func:`~lightning_sloth.ops.fp8_lora.lora_linear_4bit_fp8`'s."""
     absmax, blocksize = storage.block_absmax(), storage.blocksize
     return lora_linear_4bit_fp8(
-        x, storage.packed, absmax, storage.code, blocksize, lora_a, lora_b, scale, grad_format, unread_sum_with
+        x,
+        storage.packed,
+        absmax,
+        storage.code,
+        blocksize,
+        lora_a,
+        lora_b,
+        scale,
+        grad_format,
+        unread_sum_with,
     )
 
 

@@ -80,6 +80,34 @@ def test_lora_over_fp8_in_one_op_matches_the_composed_products(grad_format):
     )
 
 
+def test_layers_sharing_an_input_quantise_it_once_with_the_layers_outputs_on_cuda():
+    """q/k/v over FP8 bases as one node on the FP8 tensor cores: one quantisation of x, outputs bit
+    for bit the separate ops', gradients within bf16 rounding of theirs."""
+    from lightning_sloth.ops.fp8_lora import SharedInputLoraFP8
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    outs = (4096, 1024, 1024)
+    weights = [quantize_rows(torch.randn(n, 4096, device="cuda", generator=gen) * 0.02, "e4m3") for n in outs]
+    a = [(torch.randn(16, 4096, device="cuda", generator=gen) * 0.02).bfloat16() for _ in outs]
+    b = [(torch.randn(n, 16, device="cuda", generator=gen) * 0.02).bfloat16() for n in outs]
+    x = torch.randn(2048, 4096, device="cuda", generator=gen).bfloat16()
+    dys = [torch.randn(2048, n, device="cuda", generator=gen).bfloat16() for n in outs]
+    results = []
+    for grouped in (True, False):
+        xs = x.clone().requires_grad_()
+        if grouped:
+            bits = [c.view(torch.uint8) for c, _ in weights]
+            ys = SharedInputLoraFP8.apply(xs, (2.0,) * 3, "e4m3", *bits, *[s for _, s in weights], *a, *b)
+        else:
+            ys = [lora_linear_fp8(xs, c, s, ai, bi, 2.0, "e4m3") for (c, s), ai, bi in zip(weights, a, b)]
+        torch.autograd.backward(ys, dys)
+        results.append(([y.detach() for y in ys], xs.grad))
+    (got_y, got_dx), (want_y, want_dx) = results
+    for got, want in zip(got_y, want_y):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got_dx.float(), want_dx.float(), rtol=2**-7, atol=2**-7 * float(want_dx.abs().max()))
+
+
 def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients():
     """On the FP8 tensor cores: a tiny Llama (widths multiples of 16, so ``_scaled_mm`` runs) with FP8
     bases, bf16 autocast, trains one step with the recompute's down projection skipped
