@@ -60,14 +60,19 @@ if TRITON_OPS:
     from lightning_sloth.kernels import fp8 as _kernels
 
 __all__ = [
+    "E4M3",
+    "check_fp8_operands",
     "fp8_from_4bit",
+    "fp8_grad_product",
+    "fp8_product",
     "linear_4bit_fp8",
     "linear_fp8",
     "linear_fp8_grad",
+    "quantize_activation",
     "scaled_mm_applies",
 ]
 
-_E4M3 = FP8_DTYPES["e4m3"]
+E4M3 = FP8_DTYPES["e4m3"]
 
 
 @functools.cache
@@ -87,25 +92,25 @@ def scaled_mm_applies(x: Tensor, n: int) -> bool:
     )
 
 
-def _quantize(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def quantize_activation(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Row-wise codes and scales of ``t`` (times ``col_scale [K]`` per column): the kernel on CUDA."""
     if use_triton(t):
         return _kernels.quantize_rows(t, FP8_DTYPES[fmt], col_scale)
     return quantize_rows(t.float() * col_scale if col_scale is not None else t, fmt)
 
 
-def _product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+def fp8_product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     """``x W^T`` for e4m3 ``W`` and its ``[N, 1]`` scales: ``_scaled_mm`` where it applies, else the emulation."""
     if scaled_mm_applies(x, weight.shape[0]):
-        qx, sx = _quantize(x, "e4m3")
+        qx, sx = quantize_activation(x, "e4m3")
         return torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
     return fp8_linear_reference(x, weight, weight_scale)
 
 
-def _grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
+def fp8_grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
     """``dy W`` for e4m3 ``W`` (see the module notes)."""
     if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
-        qg, sg = _quantize(dy, grad_format, weight_scale.view(-1))
+        qg, sg = quantize_activation(dy, grad_format, weight_scale.view(-1))
         ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
         # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
         w_col = weight.t().contiguous().t()
@@ -119,7 +124,7 @@ def _grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format:
 def _linear_op(x: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
     """``x [M, K] @ W^T`` for the e4m3 ``W [N, K]`` (its bits, uint8) with scales ``[N, 1]``;
     ``grad_format`` is for the backward."""
-    return _product(x, weight_bits.view(_E4M3), weight_scale)
+    return fp8_product(x, weight_bits.view(E4M3), weight_scale)
 
 
 @_linear_op.register_fake
@@ -130,7 +135,7 @@ def _linear_fake(x, weight, weight_scale, grad_format):
 @sloth_op("linear_fp8_grad")
 def _grad_op(dy: Tensor, weight_bits: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
     """``dy [M, N] @ W`` for the e4m3 ``W [N, K]`` (its bits, uint8): the input gradient (see the module notes)."""
-    return _grad_product(dy, weight_bits.view(_E4M3), weight_scale, grad_format)
+    return fp8_grad_product(dy, weight_bits.view(E4M3), weight_scale, grad_format)
 
 
 @_grad_op.register_fake
@@ -157,10 +162,10 @@ register_flops(_linear_op, lambda x, w, s, fmt, out_shape=None: 2 * x[0] * x[1] 
 register_flops(_grad_op, lambda dy, w, s, fmt, out_shape=None: 2 * dy[0] * dy[1] * w[1])
 
 
-def _check(x: Tensor, weight: Tensor, weight_scale: Tensor, name: str) -> None:
+def check_fp8_operands(x: Tensor, weight: Tensor, weight_scale: Tensor, name: str) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"{name} computes in float16/bfloat16/float32, got {x.dtype}")
-    if weight.dtype != _E4M3 or weight.dim() != 2:
+    if weight.dtype != E4M3 or weight.dim() != 2:
         raise TypeError(
             f"{name}: the weight must be [out, in] float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}"
         )
@@ -186,7 +191,7 @@ def linear_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str
     Returns:
         ``[..., out]`` in x's dtype; the gradient flows to x only.
     """
-    _check(x, weight, weight_scale, "linear_fp8")
+    check_fp8_operands(x, weight, weight_scale, "linear_fp8")
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(
             f"linear_fp8: x {tuple(x.shape)} does not fit the weight {tuple(weight.shape)} [out, in]"
@@ -198,7 +203,7 @@ def linear_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str
 
 def linear_fp8_grad(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str = "e4m3") -> Tensor:
     """``dy @ W``: the input gradient of :func:`linear_fp8` for ``dy [..., out]``, as ``[..., in]``."""
-    _check(dy, weight, weight_scale, "linear_fp8_grad")
+    check_fp8_operands(dy, weight, weight_scale, "linear_fp8_grad")
     if weight.shape[0] != dy.shape[-1]:
         raise ValueError(
             f"linear_fp8_grad: dy {tuple(dy.shape)} does not fit the weight {tuple(weight.shape)}"
@@ -221,7 +226,7 @@ def fp8_from_4bit(
     dense = dequantize_4bit_into(
         packed, absmax, code, blocksize, _scratch(n, k, torch.bfloat16, packed.device)
     )
-    return _quantize(dense, "e4m3")
+    return quantize_activation(dense, "e4m3")
 
 
 @sloth_op("linear_4bit_fp8")
@@ -231,7 +236,7 @@ def _linear_4bit_op(
     """``x [M, K] @ W^T`` for the 4-bit ``W [n, K]``, computed in FP8 (see :func:`linear_4bit_fp8`)."""
     if x.shape[0] == 0:  # nothing to multiply: no weight decoded
         return x.new_zeros(0, n)
-    return _product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
+    return fp8_product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
 
 
 @_linear_4bit_op.register_fake
@@ -244,7 +249,7 @@ def _grad_4bit_op(
     dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, k: int, grad_format: str
 ) -> Tensor:
     """``dy [M, N] @ W`` for the 4-bit ``W [N, k]``, computed in FP8 (``grad_format`` for dy)."""
-    return _grad_product(dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format)
+    return fp8_grad_product(dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format)
 
 
 @_grad_4bit_op.register_fake

@@ -6,6 +6,11 @@ computed in FP8: QLoRA with ``base_dtype="fp8"``).
 ``dx = dy W + (s dy B) A`` with the adapter's part added into the FP8 input-gradient GEMM's output:
 no separate ``[M, out]`` or ``[M, in]`` sums. The base products are :mod:`lightning_sloth.ops.fp8`'s
 (``_scaled_mm`` where it applies, else the plain-torch emulation); ``x A^T`` is kept for ``dB``.
+
+Around them, as the 16-bit and 4-bit LoRA paths have: :class:`UnreadSumFP8` (a checkpoint's
+recompute skips the down projection's quantisation and product, whose values nothing reads) and
+:class:`SharedInputLoraFP8` (layers that read one input, q/k/v and gate/up, as one node that
+quantises it once).
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sloth.ops.fp8 import (
-    _E4M3,
-    _check,
-    _grad_product,
-    _product,
-    _quantize,
+    E4M3,
+    check_fp8_operands,
     fp8_from_4bit,
+    fp8_grad_product,
+    fp8_product,
+    quantize_activation,
     scaled_mm_applies,
 )
 from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, quantize_rows
@@ -97,7 +102,7 @@ def _lora_op(
     if x.shape[0] == 0:
         y = x.new_zeros(0, weight_bits.shape[0])
     else:
-        y = _product(x, weight_bits.view(_E4M3), weight_scale)
+        y = fp8_product(x, weight_bits.view(E4M3), weight_scale)
     if lora_a.shape[0]:
         y.addmm_(xa, lora_b.t(), alpha=scale)
     return y, xa
@@ -129,7 +134,7 @@ def _lora_backward_op(
     dx = x.new_empty(0)
     if grad_x:
         if grad_y.shape[0]:
-            dx = _grad_product(grad_y, weight_bits.view(_E4M3), weight_scale, grad_format)
+            dx = fp8_grad_product(grad_y, weight_bits.view(E4M3), weight_scale, grad_format)
         else:
             dx = x.new_zeros(0, x.shape[1])
         if lora_a.shape[0]:
@@ -219,7 +224,7 @@ def lora_linear_fp8(
     Returns:
         ``[..., out]`` in x's dtype; gradients flow to x, A and B.
     """
-    _check(x, weight, weight_scale, "lora_linear_fp8")
+    check_fp8_operands(x, weight, weight_scale, "lora_linear_fp8")
     out_features, in_features = weight.shape
     if (
         x.shape[-1] != in_features
@@ -273,7 +278,7 @@ def _lora_4bit_op(
     if x.shape[0] == 0:
         y = x.new_zeros(0, n)
     else:
-        y = _product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
+        y = fp8_product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
     if lora_a.shape[0]:
         y.addmm_(xa, lora_b.t(), alpha=scale)
     return y, xa
@@ -307,7 +312,7 @@ def _lora_4bit_backward_op(
     if grad_x:
         if grad_y.shape[0]:
             codes, codes_scale = fp8_from_4bit(packed, absmax, code, blocksize, (grad_y.shape[1], x.shape[1]))
-            dx = _grad_product(grad_y, codes, codes_scale, grad_format)
+            dx = fp8_grad_product(grad_y, codes, codes_scale, grad_format)
         else:
             dx = x.new_zeros(0, x.shape[1])
         if lora_a.shape[0]:
@@ -456,12 +461,12 @@ class SharedInputLoraFP8(torch.autograd.Function):
         # separate layers' bit for bit, as FP8's rounding of what follows needs (a last-bit change in
         # an output can move the next layer's e4m3 codes by a whole step).
         xa = torch.cat([rows @ a.t() for a in adapters_a], dim=1)
-        weights = [b.view(_E4M3) for b in bits]
+        weights = [b.view(E4M3) for b in bits]
         # x quantised once: for the FP8 GEMMs where they run, else for the emulation (which then
         # computes exactly what fp8_linear_reference does per layer).
         fp8_gemm = rows.shape[0] and all(scaled_mm_applies(rows, w.shape[0]) for w in weights)
         if fp8_gemm:
-            qx, sx = _quantize(rows, "e4m3")
+            qx, sx = quantize_activation(rows, "e4m3")
         elif rows.shape[0]:
             x_dq = dequantize_rows(*quantize_rows(rows, "e4m3"))
         outputs, start = [], 0
@@ -512,7 +517,7 @@ class SharedInputLoraFP8(torch.autograd.Function):
                 offsets.append(i)
             if need_x:
                 if dy.shape[0]:
-                    base = _grad_product(dy, w_bits.view(_E4M3), w_scale, ctx.grad_format)
+                    base = fp8_grad_product(dy, w_bits.view(E4M3), w_scale, ctx.grad_format)
                 else:
                     base = rows.new_zeros(0, rows.shape[1])
                 dx = base if dx is None else dx.add_(base)
