@@ -85,6 +85,40 @@ def _check_unread(residual: Tensor, x: Tensor, out_features: int) -> None:
         )
 
 
+def _lora_outputs(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, base) -> tuple[Tensor, Tensor]:
+    """``(y, xa)``: ``y = base() + scale (x A^T) B^T`` with the B product added into ``base()``'s
+    output (``base``: the FP8 product ``x W^T``, called only where x has rows)."""
+    xa = x @ lora_a.t()
+    y = base() if x.shape[0] else x.new_zeros(0, lora_b.shape[0])
+    if lora_a.shape[0]:
+        y.addmm_(xa, lora_b.t(), alpha=scale)
+    return y, xa
+
+
+def _lora_grads(grad_y, x, xa, lora_a, lora_b, scale: float, needed: tuple[bool, bool, bool], base_dx):
+    """``(dx, dA, dB)``, empty where not ``needed``: ``dx = base_dx() + (scale dy B) A`` with the
+    adapter's part added into the FP8 input-gradient product's output (``base_dx``: ``dy W``, called
+    only where x's gradient is asked for and there are rows)."""
+    grad_x, grad_a, grad_b = needed
+    g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
+    dx = x.new_empty(0)
+    if grad_x:
+        dx = base_dx() if grad_y.shape[0] else x.new_zeros(0, x.shape[1])
+        if lora_a.shape[0]:
+            dx.addmm_(g, lora_a)
+    da = g.t() @ x if grad_a else x.new_empty(0)
+    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    return dx, da, db
+
+
+def _grads_fake(x, lora_a, lora_b, grad_x: bool, grad_a: bool, grad_b: bool):
+    return (
+        torch.empty_like(x) if grad_x else x.new_empty(0),
+        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
+        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
+    )
+
+
 # ------------------------------------------------------------------ LoRA over an FP8 base, one op
 @sloth_op("lora_linear_fp8")
 def _lora_op(
@@ -98,14 +132,9 @@ def _lora_op(
 ) -> tuple[Tensor, Tensor]:
     """``(y, xa)`` for ``x [M, K]``: ``y = x W^T + scale (x A^T) B^T`` with the B product added
     into the FP8 GEMM's output; ``xa = x A^T`` is kept for the backward."""
-    xa = x @ lora_a.t()
-    if x.shape[0] == 0:
-        y = x.new_zeros(0, weight_bits.shape[0])
-    else:
-        y = fp8_product(x, weight_bits.view(E4M3), weight_scale)
-    if lora_a.shape[0]:
-        y.addmm_(xa, lora_b.t(), alpha=scale)
-    return y, xa
+    return _lora_outputs(
+        x, lora_a, lora_b, scale, lambda: fp8_product(x, weight_bits.view(E4M3), weight_scale)
+    )
 
 
 @_lora_op.register_fake
@@ -130,29 +159,17 @@ def _lora_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dA, dB)`` (empty where not asked for): ``dx = dy W + (scale dy B) A``, the adapter's
     part added into the FP8 input-gradient GEMM's output (no separate sum of two ``[M, K]``)."""
-    g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
-    dx = x.new_empty(0)
-    if grad_x:
-        if grad_y.shape[0]:
-            dx = fp8_grad_product(grad_y, weight_bits.view(E4M3), weight_scale, grad_format)
-        else:
-            dx = x.new_zeros(0, x.shape[1])
-        if lora_a.shape[0]:
-            dx.addmm_(g, lora_a)
-    da = g.t() @ x if grad_a else x.new_empty(0)
-    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
-    return dx, da, db
+    return _lora_grads(
+        grad_y, x, xa, lora_a, lora_b, scale, (grad_x, grad_a, grad_b),
+        lambda: fp8_grad_product(grad_y, weight_bits.view(E4M3), weight_scale, grad_format),
+    )  # fmt: skip
 
 
 @_lora_backward_op.register_fake
 def _lora_backward_fake(
     grad_y, x, xa, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
 ):
-    return (
-        torch.empty_like(x) if grad_x else x.new_empty(0),
-        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
-        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
-    )
+    return _grads_fake(x, lora_a, lora_b, grad_x, grad_a, grad_b)
 
 
 def _lora_setup(ctx, inputs, output):
@@ -273,15 +290,14 @@ def _lora_4bit_op(
 ) -> tuple[Tensor, Tensor]:
     """``(y, xa)``: :func:`_lora_op`'s products for a 4-bit ``W [out, in]`` (``out`` from ``lora_b``),
     decoded and quantised to e4m3 inside the op as :func:`linear_4bit_fp8` does."""
-    n = lora_b.shape[0]
-    xa = x @ lora_a.t()
-    if x.shape[0] == 0:
-        y = x.new_zeros(0, n)
-    else:
-        y = fp8_product(x, *fp8_from_4bit(packed, absmax, code, blocksize, (n, x.shape[1])))
-    if lora_a.shape[0]:
-        y.addmm_(xa, lora_b.t(), alpha=scale)
-    return y, xa
+    shape = (lora_b.shape[0], x.shape[1])
+    return _lora_outputs(
+        x,
+        lora_a,
+        lora_b,
+        scale,
+        lambda: fp8_product(x, *fp8_from_4bit(packed, absmax, code, blocksize, shape)),
+    )
 
 
 @_lora_4bit_op.register_fake
@@ -307,30 +323,18 @@ def _lora_4bit_backward_op(
     grad_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dA, dB)`` of :func:`_lora_4bit_op` (empty where not asked for), the weight decoded again."""
-    g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
-    dx = x.new_empty(0)
-    if grad_x:
-        if grad_y.shape[0]:
-            codes, codes_scale = fp8_from_4bit(packed, absmax, code, blocksize, (grad_y.shape[1], x.shape[1]))
-            dx = fp8_grad_product(grad_y, codes, codes_scale, grad_format)
-        else:
-            dx = x.new_zeros(0, x.shape[1])
-        if lora_a.shape[0]:
-            dx.addmm_(g, lora_a)
-    da = g.t() @ x if grad_a else x.new_empty(0)
-    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
-    return dx, da, db
+    shape = (grad_y.shape[1], x.shape[1])
+    return _lora_grads(
+        grad_y, x, xa, lora_a, lora_b, scale, (grad_x, grad_a, grad_b),
+        lambda: fp8_grad_product(grad_y, *fp8_from_4bit(packed, absmax, code, blocksize, shape), grad_format),
+    )  # fmt: skip
 
 
 @_lora_4bit_backward_op.register_fake
 def _lora_4bit_backward_fake(
     grad_y, x, xa, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
 ):
-    return (
-        torch.empty_like(x) if grad_x else x.new_empty(0),
-        torch.empty_like(lora_a) if grad_a else x.new_empty(0),
-        torch.empty_like(lora_b) if grad_b else x.new_empty(0),
-    )
+    return _grads_fake(x, lora_a, lora_b, grad_x, grad_a, grad_b)
 
 
 def _lora_4bit_setup(ctx, inputs, output):
