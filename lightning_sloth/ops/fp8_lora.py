@@ -30,7 +30,7 @@ from lightning_sloth.ops.fp8 import (
     scaled_mm_applies,
 )
 from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, quantize_rows
-from lightning_sloth.ops.lora_layers import ADAPTER_CASTS, cast_adapter, plain_parts
+from lightning_sloth.ops.lora_layers import adapter_in, plain_parts
 from lightning_sloth.ops.nf4 import _check_storage
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
@@ -559,12 +559,11 @@ def shared_input_fp8(modules: Sequence[nn.Module], x: Tensor) -> tuple[Tensor, .
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    casts = getattr(ADAPTER_CASTS, "copies", None)
     x_c = x if x.dtype == dtype else x.to(dtype)
     bits = [base.weight for base, *_ in resolved]
     w_scales = [base.weight_scale.view(torch.float32) for base, *_ in resolved]
-    adapters_a = [a if a.dtype == dtype else cast_adapter(a, dtype, casts) for _, a, _, _ in resolved]
-    adapters_b = [b if b.dtype == dtype else cast_adapter(b, dtype, casts) for _, _, b, _ in resolved]
+    adapters_a = [adapter_in(a, dtype) for _, a, _, _ in resolved]
+    adapters_b = [adapter_in(b, dtype) for _, _, b, _ in resolved]
     scales = tuple(scale for *_, scale in resolved)
     fmt = check_grad_format(resolved[0][0].grad_format)
     return SharedInputLoraFP8.apply(x_c, scales, fmt, *bits, *w_scales, *adapters_a, *adapters_b)

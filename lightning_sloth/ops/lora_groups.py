@@ -181,7 +181,7 @@ class _Group:
                 return self._fp8_outputs(module, x)  # FP8 bases, or None: each layer on its own
             resolved.append(found)
         dtype = resolved[0][0]
-        if any(r[0] != dtype for r in resolved) or module not in self.modules:
+        if any(r[0] != dtype for r in resolved):
             return None
         casts = getattr(lora_layers.ADAPTER_CASTS, "copies", None)
         x_c = x if x.dtype == dtype else x.to(dtype)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lightning_sloth.ops.lora import UnreadSum, lora_linear_op
 from lightning_sloth.ops.registry import call
 
-__all__ = ["adapter_casts", "compute_parts", "fused_lora_forward", "plain_parts"]
+__all__ = ["adapter_casts", "adapter_in", "compute_parts", "fused_lora_forward", "plain_parts"]
 
 
 def _plain_weight(tensor: Tensor) -> bool:
@@ -141,6 +141,16 @@ ADAPTER_CASTS = threading.local()  # .copies: id(adapter weight) -> its copy in 
 def cast_adapter(tensor: Tensor, dtype: torch.dtype, copies: dict[int, Tensor] | None) -> Tensor:
     copy = copies.get(id(tensor)) if copies else None
     return copy if copy is not None and copy.dtype == dtype else tensor.to(dtype)
+
+
+def adapter_in(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """An adapter weight in ``dtype``: itself, the block's grouped cast of it (:func:`adapter_casts`)
+    where there is one, else a cast of its own."""
+    return (
+        tensor
+        if tensor.dtype == dtype
+        else cast_adapter(tensor, dtype, getattr(ADAPTER_CASTS, "copies", None))
+    )
 
 
 class _CastAdapters(torch.autograd.Function):

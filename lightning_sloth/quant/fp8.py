@@ -26,7 +26,7 @@ from lightning_sloth.ops.fp8_formats import (
     quantize_rows,
 )
 from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8, plain_fp8
-from lightning_sloth.ops.lora_layers import ADAPTER_CASTS, cast_adapter
+from lightning_sloth.ops.lora_layers import adapter_in
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
 from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped, compute_dtype, four_bit_storage
 
@@ -216,10 +216,7 @@ def lora_fp8_forward(
     base without bias)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    casts = getattr(ADAPTER_CASTS, "copies", None)  # the block's grouped adapter casts, if any
-    lora_a, lora_b = (
-        w if w.dtype == dtype else cast_adapter(w, dtype, casts) for w in (lora_a.weight, lora_b.weight)
-    )
+    lora_a, lora_b = adapter_in(lora_a.weight, dtype), adapter_in(lora_b.weight, dtype)
     if plain_fp8(base):
         unread = unread_sum_with if base.bias is None else None
         y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format, unread)

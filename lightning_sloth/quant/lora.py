@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sloth.ops.fp8_lora import plain_fp8
-from lightning_sloth.ops.lora_layers import ADAPTER_CASTS, cast_adapter
+from lightning_sloth.ops.lora_layers import adapter_in
 from lightning_sloth.quant.fp8 import LinearFP8, lora_4bit_fp8_storage, lora_fp8_forward
 from lightning_sloth.quant.linear import compute_dtype, four_bit_storage, linear_4bit
 
@@ -81,12 +81,11 @@ def lora_4bit_forward(
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     if getattr(base, "fp8_grad", None) is not None:  # 4-bit storage, FP8 compute, one op
-        casts = getattr(ADAPTER_CASTS, "copies", None)  # the block's grouped adapter casts, if any
         y = lora_4bit_fp8_storage(
             x.to(dtype),
             storage,
-            lora_a.weight if lora_a.weight.dtype == dtype else cast_adapter(lora_a.weight, dtype, casts),
-            lora_b.weight if lora_b.weight.dtype == dtype else cast_adapter(lora_b.weight, dtype, casts),
+            adapter_in(lora_a.weight, dtype),
+            adapter_in(lora_b.weight, dtype),
             module.scaling[adapter],
             base.fp8_grad,
             unread,
