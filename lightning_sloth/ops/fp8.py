@@ -92,6 +92,13 @@ def scaled_mm_applies(x: Tensor, n: int) -> bool:
     )
 
 
+@functools.cache
+def _unit_scales(k: int, device: torch.device) -> Tensor:
+    """``[1, k]`` float32 ones: the input gradient's scales for W's side (W's own are folded into
+    dy), made once per width and device rather than on every backward call."""
+    return torch.ones(1, k, dtype=torch.float32, device=device)
+
+
 def quantize_activation(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Row-wise codes and scales of ``t`` (times ``col_scale [K]`` per column): the kernel on CUDA."""
     if use_triton(t):
@@ -111,7 +118,7 @@ def fp8_grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_form
     """``dy W`` for e4m3 ``W`` (see the module notes)."""
     if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
         qg, sg = quantize_activation(dy, grad_format, weight_scale.view(-1))
-        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=dy.device)
+        ones = _unit_scales(weight.shape[1], dy.device)
         # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
         w_col = weight.t().contiguous().t()
         return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
