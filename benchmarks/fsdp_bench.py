@@ -7,16 +7,19 @@ every size), bf16 mixed precision, gradient clipping at 1.0, fused AdamW::
     sloth_1gpu   SlothStrategy(kernels=True)                       1 process
     sloth_ddp    SlothDDPStrategy(kernels=True)                    N processes
     sloth_fsdp   SlothFSDPStrategy(kernels=True), its defaults     N processes
-                 (LoRA with room on the GPU: weights kept gathered from a layer's forward to its
-                 backward, the one-node checkpoint; otherwise resharded, torch's checkpoint)
+                 (LoRA with room on the GPU: the frozen base kept whole on every rank and the
+                 adapters in the root's unit, the one-node checkpoint; otherwise sharded and
+                 resharded, torch's checkpoint)
     A suffixed name spells the whole configuration; what it does not name is torch's checkpoint,
-    resharding after the forward and automatic units (the strategy's defaults before they chose):
+    resharding after the forward, automatic units and a sharded base (the strategy's defaults
+    before they chose):
     sloth_fsdp_no_reshard   reshard_after_forward=False (weights stay gathered from a layer's
                  forward to its backward: one all-gather per layer per step)
     sloth_fsdp_node   checkpoint_impl="node" (each checkpointed layer one autograd node, as on one
                  GPU and under DDP)
     sloth_fsdp_unit4  layers_per_unit=4 (four decoder layers per FSDP2 unit); suffixes combine:
-                 sloth_fsdp[_node][_unitN][_no_reshard]
+                 sloth_fsdp[_node][_unitN][_no_reshard][_whole_base]
+    sloth_fsdp_node_no_reshard_whole_base   ... with shard_frozen=False (a LoRA base kept whole)
     stock_fsdp   ModelParallelStrategy + fully_shard per layer in configure_model (Lightning's
                  FSDP2), transformers' own modules (MoE: ``grouped_mm`` experts, PEFT
                  target_parameters LoRA) and gradient checkpointing, SDPA on the packed rows
@@ -72,19 +75,19 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def fsdp_options(system: str) -> dict | None:
-    """``SlothFSDPStrategy`` options of a ``sloth_fsdp[_node][_unitN][_no_reshard][_shard_frozen]``
+    """``SlothFSDPStrategy`` options of a ``sloth_fsdp[_node][_unitN][_no_reshard][_whole_base]``
     system name (``None`` for the other systems): ``{}`` (the strategy's defaults) for plain
-    ``sloth_fsdp``; a suffixed name sets ``checkpoint_impl`` and ``reshard_after_forward`` either
-    way (``"torch"`` and ``True`` unless it says ``_node`` / ``_no_reshard``), so its records
-    mean what they meant before the defaults chose them. ``_shard_frozen`` shards a LoRA base
-    even where ``shard_frozen="auto"`` would keep it whole."""
+    ``sloth_fsdp``; a suffixed name sets ``checkpoint_impl``, ``reshard_after_forward`` and
+    ``shard_frozen`` either way (``"torch"``, ``True`` and ``True`` unless it says ``_node`` /
+    ``_no_reshard`` / ``_whole_base``), so its records mean what they meant before the defaults
+    chose them (``_shard_frozen``, the old spelling of a sharded base, is still read)."""
     if system != "sloth_fsdp" and not system.startswith("sloth_fsdp_"):
         return None
     options: dict = {}
     rest = system.removeprefix("sloth_fsdp")
     if not rest:
         return options
-    options |= {"checkpoint_impl": "torch", "reshard_after_forward": True}
+    options |= {"checkpoint_impl": "torch", "reshard_after_forward": True, "shard_frozen": True}
     if rest.startswith("_node"):
         options["checkpoint_impl"] = "node"
         rest = rest.removeprefix("_node")
@@ -95,12 +98,14 @@ def fsdp_options(system: str) -> dict | None:
         options["layers_per_unit"] = int(digits)
         rest = rest.removeprefix(f"_unit{digits}")
     if rest.endswith("_shard_frozen"):
-        options["shard_frozen"] = True
         rest = rest.removesuffix("_shard_frozen")
+    elif rest.endswith("_whole_base"):
+        options["shard_frozen"] = False
+        rest = rest.removesuffix("_whole_base")
     if rest == "_no_reshard":
         options["reshard_after_forward"] = False
     elif rest:
-        raise ValueError(f"unknown system {system!r}: sloth_fsdp[_node][_unitN][_no_reshard][_shard_frozen]")
+        raise ValueError(f"unknown system {system!r}: sloth_fsdp[_node][_unitN][_no_reshard][_whole_base]")
     return options
 
 

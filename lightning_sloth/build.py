@@ -318,6 +318,7 @@ def build_strategy(
             reshard_after_forward=trainer.fsdp_reshard_after_forward,
             cpu_offload=trainer.fsdp_cpu_offload,
             layers_per_unit=trainer.fsdp_layers_per_unit,
+            shard_frozen=trainer.fsdp_shard_frozen,
             meta_weights=meta_weights,
             **settings,
         )

@@ -259,6 +259,9 @@ class TrainerConfig:
             (``true``) or keeps them for the backward (``false``); ``null`` (the default): keeps
             them for LoRA / QLoRA where the gathered model takes at most a quarter of the GPU.
         fsdp_cpu_offload: FSDP2 keeps sharded weights, gradients and optimizer states on the host.
+        fsdp_shard_frozen: shard a LoRA / QLoRA base too (``true``), keep it whole on every GPU
+            (``false``), or ``auto`` (the default): whole where it takes at most a quarter of the
+            GPU, the adapters then in one FSDP2 unit.
         fsdp_layers_per_unit: consecutive decoder layers FSDP2 gathers and reduces as one unit
             (``null``: as many as hold 250M parameters, at least one).
         max_epochs: ``-1`` lets ``max_steps`` alone end the run.
@@ -282,6 +285,7 @@ class TrainerConfig:
     sharding: Sharding = Sharding.ddp
     fsdp_reshard_after_forward: bool | None = None
     fsdp_cpu_offload: bool = False
+    fsdp_shard_frozen: Any = "auto"
     fsdp_layers_per_unit: int | None = None
     max_steps: int = 300
     max_epochs: int = -1

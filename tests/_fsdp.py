@@ -432,8 +432,14 @@ MORE_CASES = (
     ("moe", "qwen3_moe", True, dict(_ONE_STEP)),
     ("nf4", "qwen3_moe", True, dict(quantize="nf4", **_TWO_EPOCHS)),
     ("offload", "llama", True, dict(offload="on", layers_per_unit=1, **_ONE_STEP)),
-    # A LoRA base kept whole on every rank (shard_frozen=False): only the adapters are sharded.
-    ("replicated_base", "llama", True, dict(shard_frozen=False, kernels=True, **_ONE_STEP)),
+    # A LoRA base kept whole on every rank (shard_frozen=False): only the adapters are sharded, all in
+    # the root's unit, under the node (what the default picks on a GPU with room for the base).
+    (
+        "replicated_base",
+        "llama",
+        True,
+        dict(shard_frozen=False, kernels=True, checkpoint_impl="node", **_ONE_STEP),
+    ),
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
     # The same with the gathered weights kept from forward to backward (what reshard_after_forward=None
     # picks for LoRA on a GPU with room for the model).
@@ -562,6 +568,18 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
     for lora in (True, False):
         recorder = fit("llama", lora, precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256)
         out[lora] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
+    # The strategy's defaults for LoRA on a GPU with room: the base kept whole on every rank, the
+    # adapters in the root's unit, the node checkpoint.
+    recorder = fit(
+        "llama",
+        True,
+        precision="bf16-mixed",
+        kernels=True,
+        accelerator="gpu",
+        hidden=256,
+        shard_frozen="auto",
+    )
+    out["default"] = {"steps": recorder.steps, "losses": recorder.losses, "report": recorder.strategy_report}
     out["ops"] = dict(ops)
     moe = dict(precision="bf16-mixed", kernels=True, accelerator="gpu", hidden=256, quantize="nf4")
     recorder = fit("qwen3_moe", True, **moe)

@@ -172,6 +172,8 @@ def test_a_lora_base_kept_whole_on_every_rank_trains_like_one_process(more_runs)
     for rank in (0, 1):
         run = more_runs[rank]["replicated_base"]
         assert any("frozen tensors kept whole on every rank" in applied for applied in run["report"])
+        # no unit per layer: the root's unit holds every adapter
+        assert any("their adapters in the root's unit" in applied for applied in run["report"])
     _assert_step_matches_one_process(
         more_runs[0]["replicated_base"], more_runs[1]["replicated_base"], "llama", True
     )
@@ -470,11 +472,17 @@ def test_hydra_trainer_fsdp_builds_the_fsdp_strategy(hydra_conf, tmp_path, multi
 
 def test_hydra_fsdp_options_reach_the_strategy(hydra_conf, tmp_path):
     overrides = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp_layers_per_unit=4"]
-    overrides += ["trainer.fsdp_reshard_after_forward=false"]
+    overrides += ["trainer.fsdp_reshard_after_forward=false", "trainer.fsdp_shard_frozen=false"]
     strategy = build.build_trainer(
         compose("train", overrides=overrides), tmp_path, callbacks=[], loggers=False
     ).strategy
-    assert (strategy.layers_per_unit, strategy.reshard_after_forward) == (4, False)
+    assert (strategy.layers_per_unit, strategy.reshard_after_forward, strategy.shard_frozen) == (
+        4,
+        False,
+        False,
+    )
+    default = compose("train", overrides=["trainer=fsdp", "trainer.accelerator=cpu"])
+    assert build.build_trainer(default, tmp_path, callbacks=[], loggers=False).strategy.shard_frozen == "auto"
     bad = compose(
         "train", overrides=["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp_layers_per_unit=0"]
     )

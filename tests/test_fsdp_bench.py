@@ -11,19 +11,31 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fsdp_bench  # noqa: E402
 
+_SHARDED = {"shard_frozen": True}  # a suffixed name shards the base unless it says _whole_base
+
 
 @pytest.mark.parametrize(
     "system,options",
     [
         ("sloth_fsdp", {}),  # the strategy's defaults
         # a suffixed name spells the whole configuration: torch's checkpoint and resharding unless named
-        ("sloth_fsdp_no_reshard", {"checkpoint_impl": "torch", "reshard_after_forward": False}),
-        ("sloth_fsdp_node", {"checkpoint_impl": "node", "reshard_after_forward": True}),
-        ("sloth_fsdp_node_no_reshard", {"checkpoint_impl": "node", "reshard_after_forward": False}),
-        ("sloth_fsdp_unit4", {"checkpoint_impl": "torch", "reshard_after_forward": True, "layers_per_unit": 4}),
+        ("sloth_fsdp_no_reshard", {"checkpoint_impl": "torch", "reshard_after_forward": False, **_SHARDED}),
+        ("sloth_fsdp_node", {"checkpoint_impl": "node", "reshard_after_forward": True, **_SHARDED}),
+        (
+            "sloth_fsdp_node_no_reshard",
+            {"checkpoint_impl": "node", "reshard_after_forward": False, **_SHARDED},
+        ),
+        (
+            "sloth_fsdp_unit4",
+            {"checkpoint_impl": "torch", "reshard_after_forward": True, "layers_per_unit": 4, **_SHARDED},
+        ),
         (
             "sloth_fsdp_node_unit2_no_reshard",
-            {"checkpoint_impl": "node", "layers_per_unit": 2, "reshard_after_forward": False},
+            {"checkpoint_impl": "node", "layers_per_unit": 2, "reshard_after_forward": False, **_SHARDED},
+        ),
+        (
+            "sloth_fsdp_node_no_reshard_whole_base",
+            {"checkpoint_impl": "node", "reshard_after_forward": False, "shard_frozen": False},
         ),
         (
             "sloth_fsdp_shard_frozen",
@@ -43,7 +55,14 @@ def test_sloth_fsdp_system_names_carry_the_strategy_options(system, options):
 
 
 @pytest.mark.parametrize(
-    "system", ["sloth_fsdp_unit", "sloth_fsdp_unitx", "sloth_fsdp_fast", "sloth_fsdp_unit2_node"]
+    "system",
+    [
+        "sloth_fsdp_unit",
+        "sloth_fsdp_unitx",
+        "sloth_fsdp_fast",
+        "sloth_fsdp_unit2_node",
+        "sloth_fsdp_whole_base_node",
+    ],
 )
 def test_an_unknown_sloth_fsdp_system_is_refused(system):
     with pytest.raises(ValueError, match="unknown system"):
@@ -92,7 +111,10 @@ def test_the_fsdp_table_shows_scaling_and_busy_shares_where_profiled():
 
     # Two calls in one table: each run's scaling is against its own file's one-GPU run; a file
     # without one borrows another's.
-    second = {"environment": report["environment"], "runs": [run("sloth_1gpu", 1, 50000.0), run("sloth_fsdp", 2, 48000.0)]}
+    second = {
+        "environment": report["environment"],
+        "runs": [run("sloth_1gpu", 1, 50000.0), run("sloth_fsdp", 2, 48000.0)],
+    }
     third = {"environment": report["environment"], "runs": [run("sloth_fsdp", 2, 45000.0)]}
     table = render_fsdp([report, second, third], ["x.json", "y.json", "z.json"], {})
     rows = [line for line in table.splitlines() if line.startswith("| llama") and "`sloth_fsdp`" in line]

@@ -222,25 +222,26 @@ share of its memory."""
 
 
 def frozen_to_replicate(
-    hf_model: nn.Module, device: torch.device, shard_frozen: bool | str
+    hf_model: nn.Module, device: torch.device, shard_frozen: bool | str, policy=None
 ) -> set[nn.Parameter]:
     """The frozen parameters of ``hf_model`` that every rank keeps whole instead of sharding.
 
     A LoRA (or QLoRA) base is frozen: it needs no gradient reduction and no optimizer state, only
     its all-gathers, once per layer in the forward and again in the backward. Where the whole base
     fits a GPU beside the step, replicating it leaves FSDP2 only the adapters to gather and reduce
-    (little more communication than DDP), and the layers run on plain tensors.
+    (little more communication than DDP), and the layers run on plain tensors; :func:`shard_model`
+    then gives the decoder layers no unit of their own (the root's unit holds every adapter: one
+    all-gather and one reduce-scatter per step instead of a unit's hooks and collectives per layer).
 
     Args:
         hf_model: the transformers model (inside PEFT's wrapper when LoRA is on).
         device: the rank's device.
         shard_frozen: ``True``: shard everything (none replicated). ``False``: replicate every
             frozen parameter. ``"auto"``: replicate them on a CUDA device when they take at most
-            :data:`REPLICATE_FROZEN_SHARE` of its memory, else shard them (a meta-device model,
-            built shard by shard, always shards). Measured on four H100s (LoRA r=16, 16k tokens
-            per GPU): no faster for Llama-3.1-8B (10,977 vs 10,915 tokens/s per GPU), slower for
-            Llama-3.2-1B under torch's checkpoint (49,717 vs 53,596), so the strategy's default
-            is ``True``.
+            :data:`REPLICATE_FROZEN_SHARE` of its memory (floating weights counted in the policy's
+            compute dtype, in which :func:`cast_replicated` stores them), else shard them (a
+            meta-device model, built shard by shard, always shards).
+        policy: :func:`mixed_precision_policy`'s result (``None``: weights counted as stored).
 
     Raises:
         ShardingError: an unknown ``shard_frozen``, or ``False`` for a model on the meta device.
@@ -260,10 +261,25 @@ def frozen_to_replicate(
         return set(frozen)
     if meta or device.type != "cuda":
         return set()
-    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-    if frozen_bytes > REPLICATE_FROZEN_SHARE * torch.cuda.get_device_properties(device).total_memory:
+    if (
+        _compute_bytes(frozen, policy)
+        > REPLICATE_FROZEN_SHARE * torch.cuda.get_device_properties(device).total_memory
+    ):
         return set()
     return set(frozen)
+
+
+def _compute_bytes(params: list[nn.Parameter], policy) -> int:
+    """Bytes of ``params`` with floating ones in the policy's ``param_dtype`` (what a gather or
+    :func:`cast_replicated` makes) and integer ones (4-bit codes) at their own size."""
+    dtype = getattr(policy, "param_dtype", None)
+    itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+
+    def size(p: nn.Parameter) -> int:
+        floating = p.is_floating_point() or p.is_complex()
+        return p.numel() * (itemsize if floating and itemsize is not None else p.element_size())
+
+    return sum(size(p) for p in params)
 
 
 KEEP_GATHERED_SHARE = 0.25
@@ -319,14 +335,7 @@ def resolve_reshard_after_forward(
     frozen = sum(p.numel() for p in params if not p.requires_grad)
     if trainable == 0 or trainable >= frozen:
         return True
-    dtype = getattr(policy, "param_dtype", None)
-    itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
-
-    def gathered(p: nn.Parameter) -> int:
-        floating = p.is_floating_point() or p.is_complex()
-        return p.numel() * (itemsize if floating and itemsize is not None else p.element_size())
-
-    return sum(gathered(p) for p in params) > KEEP_GATHERED_SHARE * device_memory
+    return _compute_bytes(params, policy) > KEEP_GATHERED_SHARE * device_memory
 
 
 @torch.no_grad()
@@ -371,12 +380,15 @@ def shard_model(
         layers_per_unit: consecutive decoder layers in one FSDP2 unit (``fully_shard`` of the
             list): gathered, resharded and reduced together, with one set of FSDP2 hooks. Fewer,
             larger collectives and less host time per step, for more gathered weights at once.
-            ``None``: :func:`auto_layers_per_unit`.
+            ``None``: :func:`auto_layers_per_unit`. ``0``: the layers get no unit of their own and
+            the root's unit holds their trainable parameters (one all-gather and one
+            reduce-scatter per step); only where every frozen parameter of theirs is in
+            ``replicate`` (a LoRA base kept whole: what remains are the adapters).
         replicate: parameters every rank keeps whole (FSDP2's ``ignored_params``; see
             :func:`frozen_to_replicate`): frozen only, placed on the device by the strategy.
 
     Returns:
-        The number of decoder layers sharded, and the layers per unit.
+        The number of decoder layers sharded, and the layers per unit (``0``: in the root's unit).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
@@ -401,7 +413,18 @@ def shard_model(
         allow_integer_parameters_in_fsdp2()  # packed 4-bit codes
         shard_4bit_scales(hf_model)
     layers = shardable_layers(hf_model)
-    per_unit = min(check_layers_per_unit(layers_per_unit) or auto_layers_per_unit(layers), len(layers))
+    if layers_per_unit == 0:
+        sharded_frozen = [
+            n for n, p in layers.named_parameters() if not p.requires_grad and p not in replicate
+        ]
+        if sharded_frozen:
+            raise ShardingError(
+                f"layers_per_unit=0 leaves the decoder layers to the root's unit, which suits adapters "
+                f"only: these frozen weights would be gathered whole for the step: {sharded_frozen[:3]}"
+            )
+        per_unit = 0
+    else:
+        per_unit = min(check_layers_per_unit(layers_per_unit) or auto_layers_per_unit(layers), len(layers))
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
         mp_policy=policy,
@@ -415,7 +438,7 @@ def shard_model(
         kept = {p for m in modules for p in m.parameters() if p in replicate}
         return kept or None
 
-    for start in range(0, len(layers), per_unit):
+    for start in range(0, len(layers) if per_unit else 0, per_unit or 1):
         unit = list(layers[start : start + per_unit])
         fully_shard(
             unit if len(unit) > 1 else unit[0],

@@ -256,12 +256,15 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             (:mod:`~lightning_sloth.plugins.shard_init`). Build the model with
             ``torch.device("meta")`` (or in ``configure_model`` under it). ``None``: the model must
             be real; a meta model is refused.
-        shard_frozen: shard the frozen weights too (``True``, the default), keep them whole on
-            every rank (``False``), or ``"auto"``: whole where the frozen weights take at most a
-            quarter of a GPU's memory, sharded otherwise
-            (:func:`~lightning_sloth.plugins.sharding.frozen_to_replicate`). A LoRA base kept whole
-            leaves FSDP2 only the adapters to gather and reduce (stored in the compute dtype); on
-            four H100s that measured no faster than sharding it, hence the default.
+        shard_frozen: shard the frozen weights too (``True``), keep them whole on every rank
+            (``False``), or ``"auto"`` (the default): whole where the frozen weights, in the
+            compute dtype, take at most a quarter of a GPU's memory, sharded otherwise (full
+            fine-tuning has none; a meta-device model always shards;
+            :func:`~lightning_sloth.plugins.sharding.frozen_to_replicate`). A LoRA base kept whole
+            is stored in the compute dtype and leaves FSDP2 only the adapters and their optimizer
+            states: unless ``layers_per_unit`` is given, the decoder layers get no unit of their
+            own and the root's unit holds every adapter (one all-gather and one reduce-scatter
+            per step, no per-layer FSDP2 hooks).
         save_distributed_checkpoint: sharded checkpoints (``False``: one file gathered on rank 0).
         checkpoint_impl: ``"torch"``, ``"node"`` or ``None`` (the default): the node where the
             gathered weights are kept from forward to backward (one layer per unit; measured the
@@ -298,7 +301,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         cpu_offload: bool = False,
         layers_per_unit: int | None = None,
         meta_weights: Any = None,
-        shard_frozen: bool | str = True,
+        shard_frozen: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -313,6 +316,7 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
         self.cpu_offload = cpu_offload
         self.layers_per_unit = check_layers_per_unit(layers_per_unit)
+        self._layers_per_unit_given = self.layers_per_unit is not None
         if self.sloth_settings["checkpoint_impl"] == "node":
             if self.layers_per_unit not in (None, 1) and reshard_after_forward is not False:
                 raise ShardingError(
@@ -369,7 +373,9 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
         quantized = convert_before_sharding(self.precision_plugin, self.lightning_module, self.root_device)
         if quantized:
             report.applied.append(f"4-bit base weights ({quantized} tensors, sharded)")
-        replicate = frozen_to_replicate(hf_model, self.root_device, self.shard_frozen)
+        replicate = frozen_to_replicate(hf_model, self.root_device, self.shard_frozen, policy)
+        # A base kept whole leaves the layers only adapters: the root's unit holds them all.
+        layers_per_unit = 0 if replicate and not self._layers_per_unit_given else self.layers_per_unit
         layers, per_unit = shard_model(
             self.lightning_module,
             hf_model,
@@ -377,11 +383,13 @@ class SlothFSDPStrategy(_SlothSetup, ModelParallelStrategy):
             policy,
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
-            layers_per_unit=self.layers_per_unit,
+            layers_per_unit=layers_per_unit,
             replicate=replicate,
         )
         grouped = f", {per_unit} per unit" if per_unit > 1 else ""
-        if not self.reshard_after_forward:
+        if per_unit == 0:
+            grouped = ", their adapters in the root's unit"
+        elif not self.reshard_after_forward:
             grouped += ", gathered from forward to backward"
         whole = f"; {len(replicate)} frozen tensors kept whole on every rank" if replicate else ""
         report.applied.append(f"fully_shard ({layers} decoder layers{grouped}, then the root{whole})")

@@ -41,6 +41,7 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     "case,family,lora,quantize",
     [
         (True, "llama", True, None),
+        ("default", "llama", True, None),
         (False, "llama", False, None),
         ("moe_nf4", "qwen3_moe", True, "nf4"),
         ("meta_moe_nf4", "qwen3_moe", True, "nf4"),
@@ -56,6 +57,8 @@ def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, case, f
     record = records[0]
     assert "kernels" in record["report"] and any("fully_shard" in a for a in record["report"])
     assert (case == "meta_moe_nf4") == ("shards made per rank (CheckpointWeights)" in record["report"])
+    # the defaults keep the LoRA base whole on every rank, the adapters in the root's unit
+    assert (case == "default") == any("their adapters in the root's unit" in a for a in record["report"])
     steps = [r["steps"][0] for r in records]
     settings = dict(device="cuda", hidden=256, quantize=quantize)
     loss, grads, _ = _fsdp.reference_step(family, lora, *steps, **settings)
