@@ -222,6 +222,7 @@ def render_fsdp(reports: list[dict], sources: list[str], params: dict) -> str:
     """Multi-GPU runs (``benchmarks/fsdp_bench.py``): per run tokens/s per GPU, with the scaling
     against the one-GPU run of the same shape and LoRA setting where there is one (that of the run's
     own file first: several calls in one table each keep their own baseline)."""
+
     def one_gpu(runs: list[dict]) -> dict:
         return {
             (r["shape"], r["lora"]): r["tokens_per_s_per_gpu"]
@@ -534,6 +535,10 @@ def render_long_context(reports: list[dict], sources: list[str], params: dict) -
     """One-step records of ``benchmarks/long_context_bench.py step`` (``--account``): a column per
     file with its shape, base, sequence length, settings, whether the step fit, its peak and time,
     then every GiB of the step by category where the file has the accounting."""
+
+    def seconds(value) -> str:
+        return "—" if value is None else f"{num(value, '.1f')} s"
+
     columns = [f"{r['shape']} {r['base']} {r['tokens']:,}" for r in reports]
     categories: list[tuple[str, str]] = []
     for r in reports:
@@ -557,7 +562,7 @@ def render_long_context(reports: list[dict], sources: list[str], params: dict) -
                 for r in reports
             ],
         ),
-        ("one step (cold)", [f"{num(r.get('step_seconds'), '.1f')} s" for r in reports]),
+        ("one step (cold)", [seconds(r.get("step_seconds")) for r in reports]),
         ("loss", [num(r.get("loss"), ".3f") for r in reports]),
         ("peak at", [_peak_site(r) for r in reports]),
     ]
