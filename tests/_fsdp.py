@@ -608,3 +608,113 @@ def gpu_parity_and_offload(tmp: Path) -> dict:
             "stats": recorder.offload_stats,
         }
     return out
+
+
+def sharded_clipping(tmp: Path) -> dict:
+    """Norm clipping of sharded gradients (uneven shards, an empty one, float32 and bf16) by torch's
+    ``clip_grad_norm_`` on the ``DTensor``\\ s and by :func:`clip_sharded_grads_` on the local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_sloth.plugins.local_shards import clip_sharded_grads_, sharded_grad_norm
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    shapes = [(3, 5), (7,), (16, 4), (1, 9), (6, 6)]
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    generator = torch.Generator().manual_seed(0)
+    full = [torch.randn(s, generator=generator).to(d) for s, d in zip(shapes, dtypes)]
+
+    def params(scale: float) -> list[torch.nn.Parameter]:
+        out = []
+        for g in full:
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [Shard(0)]))
+            p.grad = distribute_tensor(g * scale, mesh, [Shard(0)])
+            out.append(p)
+        return out
+
+    result: dict = {}
+    for scale, max_norm in ((1.0, 1.0), (1e-3, 1.0)):  # clipped, and left as it is
+        ours, theirs = params(scale), params(scale)
+        result[(scale, "given")] = [g * scale for g in full]  # in each gradient's dtype
+        result[(scale, "float64")] = float(
+            torch.stack([g.double().norm() for g in result[(scale, "given")]]).norm()
+        )
+        result[(scale, "norm")] = float(sharded_grad_norm([p.grad for p in ours]))
+        result[(scale, "ours")] = float(clip_sharded_grads_(ours, max_norm))
+        result[(scale, "torch")] = float(torch.nn.utils.clip_grad_norm_(theirs, max_norm))
+        result[(scale, "grads")] = [
+            (a.grad.full_tensor(), b.grad.full_tensor()) for a, b in zip(ours, theirs)
+        ]
+    plain = [torch.nn.Parameter(torch.zeros(2))]
+    plain[0].grad = torch.ones(2)
+    replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+    replicated.grad = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    result["declined"] = (clip_sharded_grads_(plain, 1.0), sharded_grad_norm([replicated.grad]))
+    return result
+
+
+def local_shard_steps(tmp: Path) -> dict:
+    """Three optimizer steps over FSDP2-sharded parameters (uneven and empty shards), stepped on the
+    local shards (:func:`stepping_local_shards`) and as ``DTensor``\\ s, for AdamW (foreach and
+    fused), Adam with amsgrad and SGD with momentum; one parameter without a gradient in the second
+    step. Returns, per optimizer, the largest parameter and state differences and the state types."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from lightning_sloth.plugins.local_shards import stepping_local_shards, steps_on_local_shards
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    shapes = [(3, 5), (7,), (16, 4), (1, 9), (6, 6)]
+    optimizers = {
+        "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+        "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+        "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }
+
+    def sharded() -> list[torch.nn.Parameter]:
+        generator = torch.Generator().manual_seed(1)
+        module = torch.nn.Module()
+        module.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+        )
+        fully_shard(module, mesh=mesh)
+        return list(module.parameters())
+
+    result: dict = {}
+    for name, make in optimizers.items():
+        ours_params, theirs_params = sharded(), sharded()
+        ours, theirs = make(ours_params), make(theirs_params)
+        generator = torch.Generator().manual_seed(2)
+        for step in range(3):
+            for index, (a, b) in enumerate(zip(ours_params, theirs_params)):
+                grad = torch.randn(a.shape, generator=generator)
+                skip = step == 1 and index == 2
+                a.grad = None if skip else distribute_tensor(grad, mesh, [Shard(0)])
+                b.grad = None if skip else distribute_tensor(grad, mesh, [Shard(0)])
+            with stepping_local_shards(ours):
+                ours.step()
+            theirs.step()
+        param_diff = max(
+            float((a.full_tensor() - b.full_tensor()).abs().max()) for a, b in zip(ours_params, theirs_params)
+        )
+        state_diff, kinds = 0.0, set()
+        for a, b in zip(ours_params, theirs_params):
+            assert ours.state[a].keys() == theirs.state[b].keys(), (name, ours.state[a].keys())
+            for key, value in ours.state[a].items():
+                other = theirs.state[b][key]
+                kinds.add((key, type(value).__name__, type(other).__name__))
+                if isinstance(value, DTensor):
+                    assert value.placements == other.placements and value.shape == other.shape
+                    value, other = value.full_tensor(), other.full_tensor()
+                state_diff = max(state_diff, float((value.float() - other.float()).abs().max()))
+        result[name] = {"params": param_diff, "states": state_diff, "kinds": sorted(kinds)}
+    result["applies"] = {
+        "adamw": steps_on_local_shards(torch.optim.AdamW(sharded())),
+        "adagrad": steps_on_local_shards(torch.optim.Adagrad(sharded())),
+        "plain": steps_on_local_shards(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])),
+    }
+    return result

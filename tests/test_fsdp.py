@@ -568,3 +568,44 @@ def test_fsdp2_of_older_torch_shards_frozen_integer_parameters(monkeypatch):
         param = types.SimpleNamespace(sharded_param=torch.zeros(2, dtype=dtype))
         FSDPParam.init_dtype_attrs(param, policy)
         assert param.param_dtype is cast_to, dtype
+
+
+def test_sharded_gradients_are_clipped_on_their_local_shards_as_torch_clips_them(tmp_path):
+    """``clip_sharded_grads_`` (what ``SlothPrecision`` clips FSDP2's gradients with) against
+    ``torch.nn.utils.clip_grad_norm_`` on the same ``DTensor`` gradients over two processes: uneven
+    and empty shards, float32 and bf16, clipped or not: the norm of float64 to 1e-6 and the gradients
+    it scales (torch's to its bf16 rounding of a bf16 tensor's norm); plain tensors and replicated
+    placements are left to torch (``None``)."""
+    runs = _fsdp.run(_fsdp.sharded_clipping, tmp_path, world=2)
+    for rank in (0, 1):
+        result = runs[rank]
+        for scale in (1.0, 1e-3):
+            # float32 accumulation: float64's norm to 1e-6 (torch's rounds the bf16 tensor's norm first)
+            assert result[(scale, "norm")] == pytest.approx(result[(scale, "float64")], rel=1e-6)
+            assert result[(scale, "ours")] == result[(scale, "norm")]
+            assert result[(scale, "torch")] == pytest.approx(result[(scale, "float64")], rel=1e-3)
+            coefficient = min(1.0, 1.0 / (result[(scale, "float64")] + 1e-6))
+            for (ours, theirs), given in zip(result[(scale, "grads")], result[(scale, "given")]):
+                expected = (given.double() * coefficient).to(given.dtype)
+                bf16 = given.dtype == torch.bfloat16
+                torch.testing.assert_close(ours, expected, rtol=8e-3 if bf16 else 1e-6, atol=0)
+                torch.testing.assert_close(theirs, expected, rtol=8e-3 if bf16 else 1e-3, atol=0)
+        assert result[(1.0, "torch")] > 1.0 > result[(1e-3, "torch")]  # one clipped, one not
+        assert result["declined"] == (None, None)
+    assert runs[0][(1.0, "ours")] == runs[1][(1.0, "ours")]
+
+
+def test_an_elementwise_optimizer_steps_the_local_shards_as_it_steps_the_dtensors(tmp_path):
+    """``SlothPrecision`` steps AdamW / Adam / SGD over FSDP2's parameters on their local shards:
+    three steps over two processes (uneven and empty shards, a parameter without a gradient in one
+    step) give the parameters and states of the ``DTensor`` step bit for bit, the states created
+    as ``DTensor``\\ s as that step creates them; other optimizers and plain tensors are declined."""
+    runs = _fsdp.run(_fsdp.local_shard_steps, tmp_path, world=2)
+    for rank in (0, 1):
+        result = runs[rank]
+        for name in ("adamw_foreach", "adamw_fused", "adam_amsgrad", "sgd_momentum"):
+            assert result[name]["params"] == 0.0 and result[name]["states"] == 0.0, (name, result[name])
+            assert all(ours == theirs for _, ours, theirs in result[name]["kinds"]), result[name]["kinds"]
+        assert ("exp_avg", "DTensor", "DTensor") in result["adamw_fused"]["kinds"]
+        assert ("momentum_buffer", "DTensor", "DTensor") in result["sgd_momentum"]["kinds"]
+        assert result["applies"] == {"adamw": True, "adagrad": False, "plain": False}

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.moe import COUNTS_ATTR
 from lightning_sloth.offload import ActivationOffloader
+from lightning_sloth.plugins.local_shards import sharded_grad_norm
 from lightning_sloth.plugins.sharding import full_state_dict
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,11 @@ class GradientFlowGuard(Callback):
         grads = [p.grad for p in pl_module.parameters() if p.requires_grad and p.grad is not None]
         if not grads:
             raise GradientFlowError(f"step {step}: no trainable parameter received a gradient")
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm, reduced over ranks
-            norm = norm.full_tensor()
+        norm = sharded_grad_norm(grads)  # FSDP2: from the local shards, one all_reduce
+        if norm is None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            if hasattr(norm, "full_tensor"):  # other DTensor layouts: a DTensor norm, reduced over ranks
+                norm = norm.full_tensor()
         norm = float(norm)
         if not math.isfinite(norm):
             if not per_step:

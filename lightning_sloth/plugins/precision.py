@@ -35,6 +35,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_sloth.ops.fp8_formats import check_fp8_device, check_grad_format
+from lightning_sloth.plugins.local_shards import (
+    clip_sharded_grads_,
+    stepping_local_shards,
+    steps_on_local_shards,
+)
 from lightning_sloth.quant.fp8 import float8_training, fp8_base_model, fp8_compute_4bit
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
@@ -154,6 +159,25 @@ class SlothPrecision(Precision):
                 f"(precision={self.precision!r}); use bf16-mixed or bf16-true"
             )
         check_fp8_device()
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs: Any) -> Any:
+        """Lightning's step (the closure: forward, backward, the hooks before the step, clipping;
+        then the optimizer); an elementwise optimizer over FSDP2's sharded parameters steps their
+        local shards as plain tensors (:func:`~lightning_sloth.plugins.local_shards.stepping_local_shards`),
+        without ``DTensor`` dispatch per tensor. A loss scaler (``16-mixed``) keeps Lightning's own."""
+        if getattr(self, "scaler", None) is not None or not steps_on_local_shards(optimizer):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = self._wrap_closure(model, optimizer, closure)
+        with stepping_local_shards(optimizer):
+            optimizer.step(**kwargs)
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer, clip_val: int | float) -> None:
+        """Lightning's norm clipping; FSDP2's sharded gradients are clipped on their local shards
+        with one ``all_reduce`` of the squared norm (:mod:`~lightning_sloth.plugins.local_shards`)
+        instead of torch's ``DTensor`` path, host time a LoRA step of small adapters would pay."""
+        if clip_sharded_grads_(self.main_params(optimizer), clip_val) is None:
+            super().clip_grad_by_norm(optimizer, clip_val)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Quantise the frozen base layers in place (``quantize``, then ``base_dtype="fp8"``), or
