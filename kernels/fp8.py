@@ -14,6 +14,11 @@ L2): five bytes of traffic per bf16 element, against the dozens of the unfused t
 
 The Triton interpreter's float8 conversion does not round like the hardware (it drops carries into
 the exponent), so the codes are checked on the GPU; the interpreter checks the scales.
+
+``transpose_bytes``: the transposed copy of an FP8 weight's codes that the input gradient's
+``_scaled_mm`` needs (its second operand column-major), in tiles read and written along their rows.
+torch's strided copy of one-byte elements moved the 8B shape's codes at about 0.3 TB/s (221 copies,
+47.4 ms of a 1,222 ms step on the H100).
 """
 
 from __future__ import annotations
@@ -99,3 +104,30 @@ def quantize_rows(
         num_warps=8 if block >= 2048 else 4,
     )
     return q, scale
+
+
+@triton.jit
+def _transpose_bytes_kernel(X, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tile = tl.load(X + rows[:, None] * n_cols + cols[None, :], mask=mask)
+    tl.store(Y + cols[:, None] * n_rows + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x.t().contiguous()`` for a 2-D tensor of one-byte elements (FP8 codes, ``uint8``), in
+    ``128 x 128`` tiles; the result has ``x``'s dtype."""
+    if x.dim() != 2 or x.element_size() != 1:
+        raise ValueError(
+            f"transpose_bytes takes a 2-D tensor of one-byte elements, got {tuple(x.shape)} {x.dtype}"
+        )
+    bits = x.contiguous().view(torch.uint8)
+    n_rows, n_cols = bits.shape
+    out = torch.empty(n_cols, n_rows, dtype=torch.uint8, device=x.device)
+    if bits.numel():
+        grid = (triton.cdiv(n_rows, 128), triton.cdiv(n_cols, 128))
+        launchable(_transpose_bytes_kernel)[grid](
+            bits, out, n_rows, n_cols, BLOCK_R=128, BLOCK_C=128, num_warps=8
+        )
+    return out.view(x.dtype)

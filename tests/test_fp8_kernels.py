@@ -1,5 +1,5 @@
 """The row-wise FP8 quantisation kernel under the Triton interpreter: its scales equal the plain-torch
-reference bit for bit (the interpreter's float8 conversion does not round like the hardware, so the
+reference bit for bit; the byte transpose equals torch's (the interpreter's float8 conversion does not round like the hardware, so the
 codes are compared on the GPU, ``tests/gpu/test_fp8_gpu.py``)."""
 
 import pytest
@@ -26,9 +26,31 @@ def test_interpreted_row_scales_equal_the_reference(fmt, col_scale):
     assert scale[4].item() == 1.0 and (codes[4].float() == 0).all()
 
 
+@interpreted_only
+@pytest.mark.parametrize("shape", [(256, 384), (300, 130), (1, 17), (0, 5)])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8])
+def test_interpreted_byte_transpose_equals_torchs(shape, dtype):
+    """The FP8 weight's transposed codes for the input gradient: bit for bit ``x.t().contiguous()``,
+    whole tiles, ragged edges, one row and none."""
+    from lightning_sloth.kernels import fp8
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype)
+    out = fp8.transpose_bytes(x)
+    assert out.dtype == dtype and out.shape == shape[::-1] and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
+def test_byte_transpose_refuses_wider_elements():
+    from lightning_sloth.kernels import fp8
+
+    with pytest.raises(ValueError, match="one-byte elements"):
+        fp8.transpose_bytes(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
 @launcher_only
 def test_kernels_under_triton_interpreter():
     result = run_interpreted_cases(__file__)
-    assert result.returncode == 0 and "4 passed" in result.stdout, (
+    assert result.returncode == 0 and "12 passed" in result.stdout, (
         result.stdout[-3000:] + result.stderr[-3000:]
     )

@@ -119,8 +119,9 @@ def fp8_grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_form
     if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
         qg, sg = quantize_activation(dy, grad_format, weight_scale.view(-1))
         ones = _unit_scales(weight.shape[1], dy.device)
-        # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes).
-        w_col = weight.t().contiguous().t()
+        # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes),
+        # made in tiles (torch's strided copy of one-byte elements runs at a fraction of the bandwidth).
+        w_col = _kernels.transpose_bytes(weight).t()
         return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
     if grad_format == "bf16" and dy.device.type == "cuda":
         return dy @ dequantize_rows(weight, weight_scale, dy.dtype)
@@ -256,7 +257,9 @@ def _grad_4bit_op(
     dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, k: int, grad_format: str
 ) -> Tensor:
     """``dy [M, N] @ W`` for the 4-bit ``W [N, k]``, computed in FP8 (``grad_format`` for dy)."""
-    return fp8_grad_product(dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format)
+    return fp8_grad_product(
+        dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format
+    )
 
 
 @_grad_4bit_op.register_fake

@@ -50,6 +50,21 @@ def test_scaled_mm_path_matches_the_emulation(tokens, k, n, grad_format):
     _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, codes, scale, grad_format))
 
 
+@pytest.mark.parametrize("shape", [(14336, 4096), (4096, 14336), (1024, 4096), (130, 300)])
+def test_byte_transpose_equals_torchs_on_cuda(shape):
+    """The input gradient's transposed FP8 codes (``kernels/fp8.py::transpose_bytes``): bit for bit
+    ``x.t().contiguous()`` at the 8B's projection shapes and a ragged one."""
+    from lightning_sloth.kernels.fp8 import transpose_bytes
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen).view(
+        torch.float8_e4m3fn
+    )
+    out = transpose_bytes(x)
+    assert out.dtype == x.dtype and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
 @pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
 def test_lora_over_fp8_in_one_op_matches_the_composed_products(grad_format):
     """``sloth::lora_linear_fp8`` on the FP8 tensor cores: the output and x's gradient within the
@@ -76,7 +91,15 @@ def test_lora_over_fp8_in_one_op_matches_the_composed_products(grad_format):
     )
     torch.library.opcheck(
         torch.ops.sloth.lora_linear_fp8.default,
-        (xs[:64].detach().requires_grad_(), codes.view(torch.uint8), scale, as_.detach(), bs.detach(), 2.0, grad_format),
+        (
+            xs[:64].detach().requires_grad_(),
+            codes.view(torch.uint8),
+            scale,
+            as_.detach(),
+            bs.detach(),
+            2.0,
+            grad_format,
+        ),
     )
 
 
@@ -105,7 +128,9 @@ def test_layers_sharing_an_input_quantise_it_once_with_the_layers_outputs_on_cud
     (got_y, got_dx), (want_y, want_dx) = results
     for got, want in zip(got_y, want_y):
         assert torch.equal(got, want)
-    torch.testing.assert_close(got_dx.float(), want_dx.float(), rtol=2**-7, atol=2**-7 * float(want_dx.abs().max()))
+    torch.testing.assert_close(
+        got_dx.float(), want_dx.float(), rtol=2**-7, atol=2**-7 * float(want_dx.abs().max())
+    )
 
 
 def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients():
