@@ -179,6 +179,18 @@ def test_a_lora_base_kept_whole_on_every_rank_trains_like_one_process(more_runs)
     )
 
 
+def test_a_4bit_base_kept_whole_keeps_its_scales_whole_and_trains_like_one_process(more_runs):
+    """QLoRA under shard_frozen=False (what the default picks on a GPU with room): the packed codes and
+    their block scales stay whole on every rank (no DTensor), the adapters sit in the root's unit, and
+    the step equals one process on the global batch."""
+    record, other = more_runs[0]["nf4_whole_base"], more_runs[1]["nf4_whole_base"]
+    assert any("their adapters in the root's unit" in applied for applied in record["report"])
+    sharded, total = record["codes_sharded"]
+    assert total > 0 and sharded == 0
+    grads = _assert_step_matches_one_process(record, other, "qwen3_moe", True, quantize="nf4")
+    assert grads and all("lora_" in n for n in grads)
+
+
 def test_frozen_weights_are_replicated_by_rule():
     model = _fsdp.tiny_model("llama", 64, hidden=32)
     model.requires_grad_(False)

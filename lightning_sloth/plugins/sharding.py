@@ -409,8 +409,9 @@ def shard_model(
             f"sloth_fsdp shards the transformers model only; trainable parameters outside it "
             f"would not be synchronised: {outside[:5]}"
         )
-    if any(not (p.is_floating_point() or p.is_complex()) for p in hf_model.parameters()):
-        allow_integer_parameters_in_fsdp2()  # packed 4-bit codes
+    codes = [p for p in hf_model.parameters() if not (p.is_floating_point() or p.is_complex())]
+    if any(p not in replicate for p in codes):  # packed 4-bit codes FSDP2 shards: their scales too
+        allow_integer_parameters_in_fsdp2()
         shard_4bit_scales(hf_model)
     layers = shardable_layers(hf_model)
     if layers_per_unit == 0:
