@@ -216,3 +216,16 @@ def test_a_meta_moe_in_nf4_runs_in_the_benchmark_on_two_cpu_processes(tmp_path):
     assert record["scaling_efficiency"] == 1.0 and record["gpus"] == 2 and record["quantize"] == "nf4"
     stats = record["shard_stats_per_rank"]
     assert sum(s["local_4bit_bytes"] for s in stats) == stats[0]["total_4bit_bytes"] > 0
+
+
+def test_the_local_shards_host_bench_runs_both_paths(tmp_path):
+    """``benchmarks/local_shards_bench.py`` (timings only, nothing asserted about them): both paths and
+    both AdamW implementations over two processes, written to its JSON."""
+    import local_shards_bench
+
+    out = tmp_path / "local_shards.json"
+    report = local_shards_bench.main(["--layers", "1", "--warmup", "0", "--steps", "1", "--out", str(out)])
+    assert report["tensors"] == 14 and json.loads(out.read_text()) == report
+    assert set(report["milliseconds"]) == {
+        f"{p}/{i}" for p in ("dtensor", "local_shards") for i in ("foreach", "fused")
+    }
