@@ -440,8 +440,9 @@ MORE_CASES = (
         True,
         dict(shard_frozen=False, kernels=True, checkpoint_impl="node", **_ONE_STEP),
     ),
-    # The same for a 4-bit base: codes and their scales whole on every rank.
-    ("nf4_whole_base", "qwen3_moe", True, dict(quantize="nf4", shard_frozen=False, **_ONE_STEP)),
+    # The same for a 4-bit base: codes and their scales whole on every rank; two epochs, the adapter
+    # exported and the second epoch resumed from the first's sharded checkpoint.
+    ("nf4_whole_base", "qwen3_moe", True, dict(quantize="nf4", shard_frozen=False, **_TWO_EPOCHS)),
     ("node_offload", "llama", True, dict(offload="on", checkpoint_impl="node", **_ONE_STEP)),
     # The same with the gathered weights kept from forward to backward (what reshard_after_forward=None
     # picks for LoRA on a GPU with room for the model).

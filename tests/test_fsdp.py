@@ -181,14 +181,24 @@ def test_a_lora_base_kept_whole_on_every_rank_trains_like_one_process(more_runs)
 
 def test_a_4bit_base_kept_whole_keeps_its_scales_whole_and_trains_like_one_process(more_runs):
     """QLoRA under shard_frozen=False (what the default picks on a GPU with room): the packed codes and
-    their block scales stay whole on every rank (no DTensor), the adapters sit in the root's unit, and
-    the step equals one process on the global batch."""
+    their block scales stay whole on every rank (no DTensor), the adapters sit in the root's unit, the
+    step equals one process on the global batch, the exported adapter holds the trained weights, and
+    a run resumed from the first epoch's sharded checkpoint continues the same loss curve."""
     record, other = more_runs[0]["nf4_whole_base"], more_runs[1]["nf4_whole_base"]
     assert any("their adapters in the root's unit" in applied for applied in record["report"])
     sharded, total = record["codes_sharded"]
     assert total > 0 and sharded == 0
     grads = _assert_step_matches_one_process(record, other, "qwen3_moe", True, quantize="nf4")
     assert grads and all("lora_" in n for n in grads)
+    export = record["export"]
+    assert export["saved"] > 0 and export["matched"] == export["saved"] and export["max_diff"] == 0.0
+    for rank in (0, 1):
+        full, resumed = (
+            more_runs[rank]["nf4_whole_base"]["losses"],
+            more_runs[rank]["nf4_whole_base"]["resumed"],
+        )
+        assert len(full) == 2 * len(resumed) and len(resumed) >= 2
+        torch.testing.assert_close(resumed, full[len(resumed) :], rtol=1e-6, atol=0)
 
 
 def test_frozen_weights_are_replicated_by_rule():
