@@ -657,7 +657,12 @@ def sharded_clipping(tmp: Path) -> dict:
     return result
 
 
-def local_shard_steps(tmp: Path) -> dict:
+def local_shard_steps_cuda(tmp: Path) -> dict:
+    """:func:`local_shard_steps` on this rank's GPU over NCCL."""
+    return local_shard_steps(tmp, device="cuda")
+
+
+def local_shard_steps(tmp: Path, device: str = "cpu") -> dict:
     """Three optimizer steps over FSDP2-sharded parameters (uneven and empty shards), stepped on the
     local shards (:func:`stepping_local_shards`) and as ``DTensor``\\ s, for AdamW (foreach and
     fused), Adam with amsgrad and SGD with momentum; one parameter without a gradient in the second
@@ -668,8 +673,10 @@ def local_shard_steps(tmp: Path) -> dict:
 
     from lightning_sloth.plugins.local_shards import stepping_local_shards, steps_on_local_shards
 
-    torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo")
+    mesh = init_device_mesh(device, (int(os.environ["WORLD_SIZE"]),))
     shapes = [(3, 5), (7,), (16, 4), (1, 9), (6, 6)]
     optimizers = {
         "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
@@ -684,7 +691,7 @@ def local_shard_steps(tmp: Path) -> dict:
         module.ps = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
         )
-        fully_shard(module, mesh=mesh)
+        fully_shard(module.to(device), mesh=mesh)
         return list(module.parameters())
 
     result: dict = {}
@@ -694,7 +701,7 @@ def local_shard_steps(tmp: Path) -> dict:
         generator = torch.Generator().manual_seed(2)
         for step in range(3):
             for index, (a, b) in enumerate(zip(ours_params, theirs_params)):
-                grad = torch.randn(a.shape, generator=generator)
+                grad = torch.randn(a.shape, generator=generator).to(device)
                 skip = step == 1 and index == 2
                 a.grad = None if skip else distribute_tensor(grad, mesh, [Shard(0)])
                 b.grad = None if skip else distribute_tensor(grad, mesh, [Shard(0)])
@@ -718,6 +725,8 @@ def local_shard_steps(tmp: Path) -> dict:
     result["applies"] = {
         "adamw": steps_on_local_shards(torch.optim.AdamW(sharded())),
         "adagrad": steps_on_local_shards(torch.optim.Adagrad(sharded())),
-        "plain": steps_on_local_shards(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])),
+        "plain": steps_on_local_shards(
+            torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device=device))])
+        ),
     }
     return result

@@ -83,6 +83,20 @@ def test_bf16_with_kernels_matches_one_process_on_the_global_batch(runs, case, f
     )
 
 
+def test_an_elementwise_optimizer_steps_the_local_shards_as_the_dtensors_on_cuda(tmp_path):
+    """``SlothPrecision``'s optimizer step on FSDP2's local shards, on the GPUs over NCCL: AdamW
+    (foreach and fused, the Trainer's), Adam with amsgrad and SGD with momentum give the ``DTensor``
+    step's parameters and states bit for bit over three steps (uneven and empty shards, a parameter
+    without a gradient in one step)."""
+    runs = _fsdp.run(_fsdp.local_shard_steps_cuda, tmp_path, world=WORLD)
+    for rank in RANKS:
+        result = runs[rank]
+        for name in ("adamw_foreach", "adamw_fused", "adam_amsgrad", "sgd_momentum"):
+            assert result[name]["params"] == 0.0 and result[name]["states"] == 0.0, (rank, name, result[name])
+            assert all(ours == theirs for _, ours, theirs in result[name]["kinds"]), result[name]["kinds"]
+        assert result["applies"] == {"adamw": True, "adagrad": False, "plain": False}
+
+
 def test_triton_ops_see_local_tensors(runs):
     ops = runs[0]["ops"]
     assert ops["rms_norm"] > 0 and ops["linear_cross_entropy"] > 0 and ops["fused_lora_forward"] > 0
