@@ -62,7 +62,7 @@ def sharded_grad_norm(grads: Iterable[Tensor]) -> Tensor | None:
         mine = [t for t, m in zip(locals_, meshes) if id(m) == key and t.numel()]
         total = torch.zeros((), dtype=torch.float32, device=device)
         if mine:
-            norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in mine])
+            norms = torch._foreach_norm(mine, 2, dtype=torch.float32)  # accumulated in float32, no copies
             total = torch.stack(norms).square().sum()
         for dim in range(mesh.ndim):  # the shards of every mesh dimension add up
             dist.all_reduce(total, group=mesh.get_group(dim))
