@@ -92,10 +92,17 @@ def scaled_mm_applies(x: Tensor, n: int) -> bool:
     )
 
 
-@functools.cache
-def _unit_scales(k: int, device: torch.device) -> Tensor:
+def _unit_scales(k, device: torch.device) -> Tensor:
     """``[1, k]`` float32 ones: the input gradient's scales for W's side (W's own are folded into
-    dy), made once per width and device rather than on every backward call."""
+    dy), made once per width and device rather than on every backward call (a symbolic width, met
+    while tracing with dynamic shapes, gets a fresh tensor: it has no hash)."""
+    if isinstance(k, int):
+        return _cached_unit_scales(k, device)
+    return torch.ones(1, k, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _cached_unit_scales(k: int, device: torch.device) -> Tensor:
     return torch.ones(1, k, dtype=torch.float32, device=device)
 
 
