@@ -24,7 +24,10 @@ Backends (:func:`set_packed_attention_backend`):
   it (2.13); else the flash varlen ops it wraps, called directly (:class:`_VarlenFlash`), since
   the flash kernel itself reads each K/V head for its group of query heads and its backward sums
   the group's ``dk``/``dv``. Repeating K/V heads (``[T, Hq, D]`` copies in the forward and
-  recompute, a reduction in the backward) remains as the switched-off path.
+  recompute, a reduction in the backward) remains as the switched-off path. Heads wider than flash
+  takes (over 256: Gemma 4's 512-dim global layers) run the memory-efficient kernel's varlen mode
+  over the same ``cu_seqlens`` (:mod:`.efficient`: ``Σ len²`` scores instead of a ``[T, T]`` mask's
+  ``T²``; no sliding window or sinks there, which keep such a layer on ``"sdpa"``).
 * ``"flex"``: FlexAttention with a document-causal ``BlockMask``, built block-sparse straight from
   ``cu_seqlens`` (``O((T/128)^2)``, never a ``[T, T]`` mask) and compiled on CUDA. On CPU it runs
   forward only (torch has no CPU flex backward).
@@ -34,7 +37,7 @@ Backends (:func:`set_packed_attention_backend`):
   (``[T / tile]`` masks of ``tile x (tile + reach)``: about ``2 T reach`` scores instead of ``T^2``);
   otherwise one ``[T, T]`` mask (``O(T^2)`` memory).
 * ``"auto"`` (default): ``"varlen"`` where it can run (CUDA, fp16/bf16, head_dim a multiple of 8
-  up to 256), else ``"sdpa"``. An explicitly chosen backend that cannot serve an input (e.g.
+  up to 256, or wider without a window or sinks), else ``"sdpa"``. An explicitly chosen backend that cannot serve an input (e.g.
   ``"varlen"`` with float32) falls back to ``"sdpa"`` with a warning, so every dtype stays correct.
 
 Attention sinks (GPT-OSS, ``s_aux``): one learned logit per query head joins every softmax row
@@ -79,7 +82,8 @@ device), flex and sdpa build their masks from them. Llama 4's temperature-tuned 
 queries by their position in the row; a packed row rescales them to positions in the document.
 
 Rooms: :mod:`.packed` (the registered function: argument checks, backend choice, unpacked rows),
-:mod:`.varlen` (the flash varlen backend, GQA and sinks), :mod:`.masked` (the flex and sdpa
+:mod:`.varlen` (the flash varlen backend, GQA and sinks), :mod:`.efficient` (its heads wider
+than flash takes), :mod:`.masked` (the flex and sdpa
 backends, their document masks and the per-batch mask cache), :mod:`.width` (the attention width
 of a config, for FLOP counts).
 """

@@ -10,6 +10,7 @@ from torch import Tensor
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from lightning_sloth.attention.efficient import efficient_packed, efficient_usable
 from lightning_sloth.attention.masked import (
     attention_with_sinks,
     causal_window_mask,
@@ -227,17 +228,21 @@ def _packed_attention(
 
     query = _document_temperature(module, query, cu_seqlens, seq_len)
     query, key, value = _autocast_inputs(query, key, value)
-    backend = _resolve_backend(query, key, value)
+    # Heads wider than flash takes run the memory-efficient kernel's varlen mode (no window, no sinks).
+    wide = window is None and sinks is None and efficient_usable(query)
+    backend = _resolve_backend(query, key, value, wide)
     value_dim = value.shape[-1]
-    if backend == "varlen" and value_dim < head_dim:
-        # MLA (DeepSeek-V3): values narrower than queries/keys. The flash kernel takes one head
-        # size; zero columns added to V leave the first value_dim output columns and every
-        # gradient unchanged, and the extra output columns are dropped.
-        value = torch.nn.functional.pad(value, (0, head_dim - value_dim))
-    if backend == "varlen":
-        if chunk is not None:
-            cu_seqlens = cu_seqlens_k = chunked_segments(cu_seqlens, seq_len, chunk)
-            max_q = max_k = chunk
+    if backend == "varlen" and chunk is not None:
+        cu_seqlens = cu_seqlens_k = chunked_segments(cu_seqlens, seq_len, chunk)
+        max_q = max_k = chunk
+    if backend == "varlen" and wide:
+        out = efficient_packed(query, key, value, cu_seqlens, cu_seqlens_k, max_q, max_k, scaling)
+    elif backend == "varlen":
+        if value_dim < head_dim:
+            # MLA (DeepSeek-V3): values narrower than queries/keys. The flash kernel takes one head
+            # size; zero columns added to V leave the first value_dim output columns and every
+            # gradient unchanged, and the extra output columns are dropped.
+            value = torch.nn.functional.pad(value, (0, head_dim - value_dim))
         out = varlen_packed(query, key, value, cu_seqlens, cu_seqlens_k, max_q, max_k, scaling, window, sinks)
         out = out[..., :value_dim] if value_dim < head_dim else out
     elif backend == "flex":
@@ -323,9 +328,9 @@ def _autocast_inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor,
     return query, key, value
 
 
-def _resolve_backend(query: Tensor, key: Tensor, value: Tensor) -> str:
+def _resolve_backend(query: Tensor, key: Tensor, value: Tensor, wide: bool = False) -> str:
     head_dim = query.shape[-1]
-    varlen_ok = varlen_usable(query)
+    varlen_ok = varlen_usable(query) or wide
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     flex_ok = query.is_cuda or not needs_grad
     if _backend == "auto":

@@ -133,6 +133,39 @@ def test_bf16_packed_matches_per_document_sdpa(backend, head_dim):
         assert rel_err(g, w) < 2e-2, (name, rel_err(g, w))
 
 
+@pytest.mark.parametrize("shared_kv", [False, True])
+@pytest.mark.parametrize("backend", ["auto", "varlen"])
+def test_bf16_wide_heads_run_the_efficient_varlen_kernel(backend, shared_kv, monkeypatch):
+    """Heads over flash's 256 (Gemma 4's 512-dim global layers, GQA, K shared as V there): the
+    memory-efficient kernel's varlen mode, never the masked SDPA, equals each document alone."""
+    import lightning_sloth.attention.packed as packed
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("wide heads fell back to the masked sdpa")
+
+    monkeypatch.setattr(packed, "sdpa_packed", refuse)
+    set_packed_attention_backend(backend)
+    q, k, v = qkv(sum(SEGMENTS), 512, torch.bfloat16, seed=5)
+    v = k if shared_kv else v
+    scale = 1 / math.sqrt(512)
+    out, _ = sloth_attention_forward(_Layer(4), q, k, v, None, scaling=scale, **packed_kwargs(SEGMENTS))
+    assert out.shape == (1, sum(SEGMENTS), 8, 512) and out.dtype == torch.bfloat16
+    grad = torch.randn(
+        out.shape, device="cuda", dtype=out.dtype, generator=torch.Generator("cuda").manual_seed(1)
+    )
+    out.backward(grad)
+    q_ref, k_ref = (t.detach().double().requires_grad_() for t in (q, k))
+    v_ref = k_ref if shared_kv else v.detach().double().requires_grad_()
+    ref = per_document_sdpa(q_ref, k_ref, v_ref, SEGMENTS, scale)
+    ref.backward(grad.double())
+    pairs = [("out", out, ref), ("dq", q.grad, q_ref.grad), ("dk", k.grad, k_ref.grad)]
+    if not shared_kv:
+        pairs.append(("dv", v.grad, v_ref.grad))
+    for name, g, w in pairs:
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, w) < 2e-2, (name, rel_err(g, w))
+
+
 @pytest.mark.parametrize("backend", ["varlen", "flex"])
 def test_bf16_sliding_window(backend):
     with warnings.catch_warnings():
