@@ -57,7 +57,7 @@ FAMILY_NAMES = list(CONFIGS)
 COUNTS = {
     "qwen2_moe": dict(rms_norm=7, rope=3, glu=3, cross_entropy=1, add_rms_norm=3),
     "glm4_moe": dict(rms_norm=13, rope=3, glu=3, cross_entropy=1, add_rms_norm=3),
-    "deepseek_v3": dict(rms_norm=13, glu=3, cross_entropy=1, add_rms_norm=3),
+    "deepseek_v3": dict(rms_norm=13, glu=3, cross_entropy=1, add_rms_norm=3, mla=3),
 }
 
 
@@ -117,13 +117,19 @@ def test_report_lists_rms_norm_and_rope_on_every_module_of_the_family(family):
 
 
 @pytest.mark.parametrize("rope_interleave", [True, False])
-def test_deepseek_v3_attention_keeps_its_own_forward_in_either_rotary_layout(rope_interleave):
-    """The row is per class: neither layout's attention gets a forward the report would not name."""
+def test_deepseek_v3_attention_gets_the_mla_forward_with_interleaved_rotary_only(rope_interleave):
+    """The interleaved layout's attention runs the mla forward (its own rotary); the rotate-half
+    layout keeps transformers' forward, and the report says why; neither takes ``rope``."""
     model = tiny("deepseek_v3", rope_interleave=rope_interleave)
     report = transform_model(model, kernels=True).kernels
     attentions = [m for m in model.modules() if type(m).__name__ == "DeepseekV3Attention"]
-    assert len(attentions) == 3 and all("forward" not in m.__dict__ for m in attentions)
+    assert len(attentions) == 3
     assert report.modules["rope"] == [] and "rope_interleave" in report.skipped["rope"]
+    if rope_interleave:
+        assert all(forwards.patched_op(m) == "mla" for m in attentions) and report.counts["mla"] == 3
+    else:
+        assert all("forward" not in m.__dict__ for m in attentions)
+        assert "rope_interleave=False" in report.skipped["mla"]
 
 
 # --------------------------------------------------------------------------------- packed parity

@@ -155,6 +155,7 @@ def test_full_finetune_matches_unpatched(model_type):
     expected = {
         "add_rms_norm": 0,
         "linear_attention": 0,
+        "mla": 0,
         **FAMILY_CASES[model_type][3],
         "cross_entropy": 1,
         "lora": 0,
@@ -247,7 +248,7 @@ def test_each_switch_leaves_its_modules_unpatched(op):
     report = apply_kernels(model, KernelSettings(**{**everything, op: False}))
 
     assert report.counts[op] == 0 and report.skipped[op] == "switched off"
-    present = set(OPS) - {"linear_attention"}  # Qwen3 has no linear-attention layers (test_families_dense)
+    present = set(OPS) - {"linear_attention", "mla"}  # Qwen3 has no linear or latent attention
     assert all(report.counts[other] > 0 for other in present if other != op)
     patched = {forwards.patched_op(m) for m in model.modules()} - {None}
     assert patched == present - {op}

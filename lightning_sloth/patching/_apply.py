@@ -14,13 +14,14 @@ from torch import nn
 from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
 from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
+from lightning_sloth.patching.mla import mla_attention_fits, mla_attention_forward
 from lightning_sloth.patching.mlp_chunks import set_mlp_chunk_tokens
 
 log = logging.getLogger(__name__)
 
 __all__ = ["OPS", "KernelSettings", "PatchReport", "apply_kernels", "unpatch"]
 
-OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm", "linear_attention")
+OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm", "linear_attention", "mla")
 """The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
 
 
@@ -40,6 +41,8 @@ class KernelSettings:
         linear_attention: Gated DeltaNet layers (Qwen3.5, Qwen3-Next) -> the short convolution and
             the delta rule over the packed row's segments (``lightning_sloth.linear_attention``);
             without it transformers refuses packed rows in these layers.
+        mla: multi-head latent attention (DeepSeek-V3) -> packed rows build q, k and v in the flash
+            varlen layout, each written once (``lightning_sloth.patching.mla``).
     """
 
     rms_norm: bool = True
@@ -49,6 +52,7 @@ class KernelSettings:
     lora: bool = True
     add_rms_norm: bool = True
     linear_attention: bool = True
+    mla: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -181,6 +185,16 @@ def _family_rows(
                 family.classes(family.linear_attentions),
                 lambda module: _forwards.linear_attention_forward(type(module)),
                 "the forward does not call causal_conv1d_fn and torch_chunk_gated_delta_rule by name",
+            )
+        )
+    if settings.mla:
+        rows.append(
+            _Row(
+                "mla",
+                family.classes(family.mla_attentions),
+                lambda module: mla_attention_forward if mla_attention_fits(module) else None,
+                "not the interleaved-rotary MLA the forward reproduces (config.rope_interleave=False "
+                "keeps transformers' forward)",
             )
         )
     if settings.add_rms_norm and family.decoder_layers:

@@ -24,6 +24,10 @@ column                  what it decides
 ``linear_attentions``   Gated DeltaNet classes (hybrid linear attention) -> their forward with the
                         short convolution and the delta rule over the packed row's ``cu_seqlens``
                         (:mod:`lightning_sloth.linear_attention`).
+``mla_attentions``      multi-head latent attention classes (DeepSeek-V3) -> a forward that builds q,
+                        k and v of packed rows in the flash varlen layout, the interleaved rotary
+                        included (:mod:`lightning_sloth.patching.mla`); other calls, and
+                        ``config.rope_interleave=False`` models, run transformers' forward.
 ``causal_lms``          ``*ForCausalLM`` classes -> ``linear_cross_entropy`` when labels are given
                         (``final_logit_softcapping`` is read from the config; the logits are divided
                         by ``config.<logits_divisor_attr>`` where a row names one, Granite's
@@ -116,6 +120,7 @@ OP_COLUMNS: dict[str, tuple[str, str]] = {
     "rope": ("attentions", "rotary attention modules"),
     "glu": ("mlps", "dense gated MLPs"),
     "linear_attention": ("linear_attentions", "linear-attention layers"),
+    "mla": ("mla_attentions", "multi-head latent attention modules"),
     "add_rms_norm": ("decoder_layers", "pre-norm decoder layers"),
     "cross_entropy": ("causal_lms", "causal LM head"),
 }
@@ -142,6 +147,7 @@ class Family:
     glu_layout: GluLayout = "split"
     rope_form: RopeForm = "qk"
     linear_attentions: tuple[str, ...] = ()
+    mla_attentions: tuple[str, ...] = ()
     logits_divisor_attr: str | None = None
     absent: tuple[tuple[str, str], ...] = ()
     traits: tuple[str, ...] = ()
@@ -388,12 +394,13 @@ FAMILIES: dict[str, Family] = {
         experts=("DeepseekV3Experts",),
         routers=("DeepseekV3TopkRouter",),
         rotary=False,
+        mla_attentions=("DeepseekV3Attention",),
         absent=(
             (
                 "rope",
                 "interleaved rotary (apply_rotary_pos_emb_interleave, config.rope_interleave=True "
-                "by default); sloth::rope computes rotate-half, and the row is per class, so "
-                "rope_interleave=False models keep transformers' rotary as well",
+                "by default): the mla forward rotates q and k of packed rows as it lays them out, "
+                "other calls and rope_interleave=False models keep transformers' rotary",
             ),
         ),
     ),

@@ -33,6 +33,7 @@ __all__ = ["SupportRow", "read_test_sources", "support_markdown", "support_matri
 
 _QLORA = re.compile(r"nf4|fp4", re.IGNORECASE)
 _FSDP = re.compile(r"fsdp", re.IGNORECASE)
+_ARCHITECTURE_OPS = ("linear_attention", "mla")
 _HELPER_IMPORT = re.compile(r"^\s*(?:from\s+(_\w+)\s+import|import\s+(_\w+))", re.MULTILINE)
 
 
@@ -73,7 +74,8 @@ def read_test_sources(tests_dir: Path) -> dict[str, str]:
 
 def _patterns(model_type: str, family: Family) -> list[re.Pattern]:
     names = {c for column in ("norms", "mlps", "attentions", "causal_lms", "linear_attentions",
-                              "experts", "routers", "decoder_layers") for c in getattr(family, column)}  # fmt: skip
+                              "mla_attentions", "experts", "routers", "decoder_layers")
+             for c in getattr(family, column)}  # fmt: skip
     prefix = family.causal_lms[0].removesuffix("ForCausalLM") if family.causal_lms else None
     if prefix:
         names |= {f"{prefix}Config", f"{prefix}TextConfig"}
@@ -149,8 +151,9 @@ def support_matrix(
                     fsdp2 |= bool(_FSDP.search(function)) or bool(_FSDP.search(name))
         ops = tuple(op for op, (column, _) in OP_COLUMNS.items() if getattr(family, column)) + ("lora",)
         notes = [op for op, _ in family.absent if op not in OP_COLUMNS]
-        # A family without linear-attention layers has nothing for that op to take: not listed.
-        missing = [op for op in OP_COLUMNS if op not in ops and op != "linear_attention"]
+        # A family without linear-attention or latent-attention layers has nothing for those ops
+        # to take: not listed.
+        missing = [op for op in OP_COLUMNS if op not in ops and op not in _ARCHITECTURE_OPS]
         absent = tuple(f"{op}: {family.why_absent(op)}" for op in [*missing, *notes])
         rows.append(
             SupportRow(
