@@ -255,7 +255,16 @@ def test_lora_over_fp8_bases_gives_the_emulated_gradients(grad_format):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 28
     for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
+        if grad_format == "bf16":
+            torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
+            continue
+        # An e4m3 input gradient quantises dy to 3 mantissa bits: the fused LoRA path and PEFT's
+        # composed one hand each base layer a dy that differs in the float32 rounding of its sums,
+        # enough to move an element across an e4m3 rounding boundary (one code: 1/8 of its value).
+        # The flips compound towards the first layer (measured: at most 0.3% of a gradient's norm
+        # there, 4.5e-7 with bf16 input gradients); a wrong scale, format or layout is O(1).
+        error = (grads[0][name] - grads[1][name]).norm() / grads[1][name].norm()
+        assert error < 2**-6, (name, float(error))
 
 
 def test_fp8_bases_stay_close_to_the_float32_model():
