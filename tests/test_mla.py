@@ -214,8 +214,7 @@ def test_patched_attention_equals_transformers_on_a_packed_row(flash, monkeypatc
     attention = model.model.layers[1].self_attn
     assert patched_op(attention) == "mla"
     if flash:
-        for module in (mla_forward, varlen_attention):
-            monkeypatch.setattr(module, "varlen_attn", _reference_varlen)
+        monkeypatch.setattr(varlen_attention, "varlen_attn", _reference_varlen)
         for module in (mla_forward, packed_attention):
             monkeypatch.setattr(module, "varlen_usable", lambda query: True)
     calls = []

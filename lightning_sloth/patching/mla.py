@@ -26,11 +26,12 @@ first ``v`` columns of each head of a ``[T, H, D]`` output. The q/k/v assembly i
 under ``torch.compile``).
 
 Which calls take it: a packed call (``cu_seq_lens_q`` given, no cache, no mask, no attention dropout
-in training, interleaved rotary, batch 1) of a model on the "sloth" attention. There the flash varlen
-kernel runs directly on the ``[T, H, D]`` tensors when the packed backend would pick it (``"auto"`` or
-``"varlen"``, CUDA, fp16/bf16); otherwise the same tensors go, as ``[1, H, T, D]`` views and with
-values of their own width, to the "sloth" attention function (its sdpa or flex backend, float32
-included), so the CPU tests run this forward too. Every other call runs transformers' forward.
+in training, interleaved rotary, batch 1) of a model on the "sloth" attention. The ``[T, H, D]``
+tensors go, as ``[1, H, T, D]`` views, to the "sloth" attention function, which checks the packing
+metadata and picks the backend; its flash varlen path reads them in place (no further copy). Where
+it will pick flash (``"auto"`` or ``"varlen"``, CUDA, fp16/bf16) the values are written zero-padded
+to the query/key width; for its sdpa or flex backend (float32 included, so the CPU tests run this
+forward too) at their own width. Every other call runs transformers' forward.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sloth.attention import ATTENTION_NAME, get_packed_attention_backend, sloth_attention_forward
-from lightning_sloth.attention.varlen import varlen_attn, varlen_usable
+from lightning_sloth.attention.varlen import varlen_usable
 from lightning_sloth.ops.mla import interleaved_rope, mla_key_value, mla_output, mla_query
 from lightning_sloth.patching._forwards import _op_forward
 
@@ -119,39 +120,12 @@ def _packed_forward(
     k_rot = interleaved_rope(k_rot.reshape(tokens, 1, rope), cos, sin)[:, 0]
     query = mla_query(q.reshape(tokens, heads, nope + rope), cos, sin, nope)
 
-    flash = _flash_arguments(query, kv, kwargs)
-    if flash is not None:
-        key, value = mla_key_value(kv, k_rot, nope, nope + rope)
-        out = varlen_attn(query, key, value, *flash, scale=self.scaling, window_size=(-1, 0))
-        out = mla_output(out, value_dim)
-    else:
-        key, value = mla_key_value(kv, k_rot, nope, value_dim)
-        views = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, T, D]
-        out, _ = sloth_attention_forward(self, *views, None, dropout=0.0, scaling=self.scaling, **kwargs)
-        out = out.reshape(tokens, -1).contiguous()
+    # The flash kernel takes one head size: where the packed attention will run it, the values are
+    # written zero-padded to the query/key width (and the output's first v columns kept), else at
+    # their own width. Either way the "sloth" attention function checks the metadata and runs it.
+    flash = get_packed_attention_backend() in ("auto", "varlen") and varlen_usable(query)
+    key, value = mla_key_value(kv, k_rot, nope, nope + rope if flash else value_dim)
+    views = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, T, D]
+    out, _ = sloth_attention_forward(self, *views, None, dropout=0.0, scaling=self.scaling, **kwargs)
+    out = mla_output(out[0], value_dim)  # [T, H, W] -> [T, H * v]
     return self.o_proj(out.unsqueeze(0)), None
-
-
-def _flash_arguments(query: Tensor, kv: Tensor, kwargs: dict[str, Any]) -> tuple | None:
-    """``(cu_q, cu_k, max_q, max_k)`` for the flash varlen kernel, or None where the packed attention
-    would not pick it (another backend, device or dtype) or the metadata is not the plain form (the
-    attention function then checks it and says what is wrong)."""
-    if get_packed_attention_backend() not in ("auto", "varlen") or not varlen_usable(query):
-        return None
-    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
-    max_q = kwargs.get("max_length_q")
-    max_k = kwargs.get("max_length_k", max_q)
-    plain = (
-        kv.dtype == query.dtype
-        and isinstance(max_q, int | torch.SymInt)
-        and isinstance(max_k, int | torch.SymInt)
-        and all(
-            isinstance(cu, Tensor) and cu.dim() == 1 and cu.dtype in (torch.int32, torch.int64)
-            for cu in (cu_q, cu_k if cu_k is not None else cu_q)
-        )
-    )
-    if not plain:
-        return None
-    cu_q32 = cu_q.to(torch.int32)
-    cu_k32 = cu_q32 if cu_k is None or cu_k is cu_q else cu_k.to(torch.int32)
-    return cu_q32, cu_k32, max_q, max_k
