@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_sloth.attention.varlen import to_varlen_layout
+
 _CAUSAL_FROM_TOP_LEFT = 1  # the kernel's custom_mask_type: causal within each document
 
 
@@ -33,27 +35,14 @@ def efficient_usable(query: Tensor) -> bool:
     )
 
 
-def _rows_layout(x: Tensor, repeats: int) -> Tensor:
-    """``[1, H, T, D]`` -> ``[1, T, H * repeats, D]`` (kv head ``h`` serves query heads ``h*repeats ..``),
-    a view where the projections' ``[1, T, H, D]`` memory allows."""
-    x = x.transpose(1, 2)
-    if repeats > 1:
-        batch, seq_len, heads, head_dim = x.shape
-        x = (
-            x[:, :, :, None, :]
-            .expand(batch, seq_len, heads, repeats, head_dim)
-            .reshape(batch, seq_len, heads * repeats, head_dim)
-        )
-    return x.contiguous()
-
-
 def efficient_packed(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scaling) -> Tensor:
     """Document-causal attention of a packed row, ``[1, H, T, D]`` in (K/V with ``Hkv`` heads dividing
     ``Hq``), ``[1, T, Hq, Dv]`` out, as :func:`~lightning_sloth.attention.varlen.varlen_packed`."""
     groups = query.shape[1] // key.shape[1]
     same_kv = value is key
-    q, k = _rows_layout(query, 1), _rows_layout(key, groups)
-    v = k if same_kv else _rows_layout(value, groups)
+    # [1, H, T, D] -> [1, T, H * repeats, D]: flash's layout with the batch dimension the kernel wants.
+    q, k = to_varlen_layout(query, 1)[None], to_varlen_layout(key, groups)[None]
+    v = k if same_kv else to_varlen_layout(value, groups)[None]
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int32)
     # Dynamo refuses an autograd.Function given one tensor twice: None stands for "the same as before".

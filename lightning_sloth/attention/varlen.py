@@ -47,7 +47,7 @@ def get_varlen_kv_repeat() -> bool:
     return _kv_repeat
 
 
-def _to_varlen_layout(x: Tensor, repeats: int) -> Tensor:
+def to_varlen_layout(x: Tensor, repeats: int) -> Tensor:
     """``[1, H, T, D]`` -> ``[T, H * repeats, D]`` (kv head ``h`` serves query heads ``h*repeats ..``).
 
     A view where the projections' ``[1, T, H, D]`` memory allows (``squeeze``, not ``x[0]``: the
@@ -80,7 +80,7 @@ def varlen_packed(
         groups = 1
     # transformers' sliding window W keeps keys with q - k < W, i.e. W - 1 to the left.
     window_left = -1 if window is None else window - 1
-    q, k, v = _to_varlen_layout(query, 1), _to_varlen_layout(key, groups), _to_varlen_layout(value, groups)
+    q, k, v = to_varlen_layout(query, 1), to_varlen_layout(key, groups), to_varlen_layout(value, groups)
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int32)
     # Dynamo refuses an autograd.Function given one tensor twice: None stands for "cu_k is cu_q".
