@@ -37,8 +37,9 @@ Backends (:func:`set_packed_attention_backend`):
   (``[T / tile]`` masks of ``tile x (tile + reach)``: about ``2 T reach`` scores instead of ``T^2``);
   otherwise one ``[T, T]`` mask (``O(T^2)`` memory).
 * ``"auto"`` (default): ``"varlen"`` where it can run (CUDA, fp16/bf16, head_dim a multiple of 8
-  up to 256, or wider without a window or sinks), else ``"sdpa"``. An explicitly chosen backend that cannot serve an input (e.g.
-  ``"varlen"`` with float32) falls back to ``"sdpa"`` with a warning, so every dtype stays correct.
+  up to 256, or wider without a window or sinks), else ``"sdpa"``. An explicitly chosen backend
+  that cannot serve an input (e.g. ``"varlen"`` with float32) falls back to ``"sdpa"`` with a
+  warning, so every dtype stays correct.
 
 Attention sinks (GPT-OSS, ``s_aux``): one learned logit per query head joins every softmax row
 as an extra column whose value is zero, so a row may put weight on "nothing". With ``lse`` the
@@ -83,9 +84,8 @@ queries by their position in the row; a packed row rescales them to positions in
 
 Rooms: :mod:`.packed` (the registered function: argument checks, backend choice, unpacked rows),
 :mod:`.varlen` (the flash varlen backend, GQA and sinks), :mod:`.efficient` (its heads wider
-than flash takes), :mod:`.masked` (the flex and sdpa
-backends, their document masks and the per-batch mask cache), :mod:`.width` (the attention width
-of a config, for FLOP counts).
+than flash takes), :mod:`.masked` (the flex and sdpa backends, their document masks and the
+per-batch mask cache), :mod:`.width` (the attention width of a config, for FLOP counts).
 """
 
 from lightning_sloth.attention.masked import (
