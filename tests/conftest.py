@@ -1,4 +1,5 @@
-"""Test configuration: GPU tests skip cleanly where CUDA is absent, and the longest files run first.
+"""Test configuration: GPU tests skip cleanly where CUDA is absent, the longest files run first, and
+every test leaves the process-wide kernel switches as it found them.
 
 The CPU suite runs in two worker processes (``-n 2 --dist loadfile``: pytest-xdist hands out whole
 files). The files that run the app and several processes take minutes each; started last, one
@@ -9,12 +10,32 @@ worker would run them alone at the end, so they are collected first and handed o
 import pytest
 import torch
 
+from lightning_sloth.attention import (
+    get_packed_attention_backend,
+    get_varlen_kv_repeat,
+    set_packed_attention_backend,
+    set_varlen_kv_repeat,
+)
+from lightning_sloth.linear_attention import get_linear_attention_backend, set_linear_attention_backend
+
 LONGEST_FIRST = ("test_readme.py", "test_fsdp.py", "test_offload.py", "test_resume.py", "test_fsdp_meta.py")
 
 
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present
         config.option.loadscopereorder = False
+
+
+@pytest.fixture(autouse=True)
+def _process_wide_switches():
+    """Restore the attention backends and the K/V repeat switch after each test: a test that picks
+    ``"sdpa"`` (``enable_packed_attention(model, backend=...)`` sets it for the process) must not
+    change which kernel a later test in the same worker runs."""
+    saved = get_packed_attention_backend(), get_varlen_kv_repeat(), get_linear_attention_backend()
+    yield
+    set_packed_attention_backend(saved[0])
+    set_varlen_kv_repeat(saved[1])
+    set_linear_attention_backend(saved[2])
 
 
 def _first(item) -> int:
