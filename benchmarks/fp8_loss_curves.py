@@ -9,6 +9,12 @@ with the bf16 run::
     final loss      mean train loss of the last 20 steps, relative to bf16's (target: within 1%)
     exact match     validation exact match minus bf16's (target: within 0.02)
 
+With ``--seeds 0,1,2`` every variant runs once per seed (the app's ``seed``: LoRA's initialisation
+and the data order) and the verdict compares the means over seeds; each seed's own comparison
+(variant and bf16 at the same seed) and the spread of bf16's final loss over its seeds (the
+largest relative distance from their mean: how far one bf16 run lies from another) are recorded
+beside it (``seeds`` in the JSON).
+
 Tasks: ``default`` (the app's default run: LoRA on the packaged tiny base, synthetic task) and
 ``llama_1b`` (``experiment=llama_1b_bench``: the Llama-3.2-1B shape, random weights, 16k-token
 batches). Variants: ``bf16`` (the baseline), ``fp8`` (e4m3 gradients), ``fp8_e5m2``,
@@ -16,9 +22,15 @@ batches). Variants: ``bf16`` (the baseline), ``fp8`` (e4m3 gradients), ``fp8_e5m
 
     python benchmarks/fp8_loss_curves.py --task default  --steps 200          # about 2 minutes
     python benchmarks/fp8_loss_curves.py --task llama_1b --steps 200 --variants bf16,fp8
+    python benchmarks/fp8_loss_curves.py --task default  --seeds 0,1,2 --variants bf16,fp8,fp8_bf16grad
 
-Writes ``fp8_loss_curves_<task>.json`` under ``$OUT`` (else ``benchmarks/results/``); the runs
-themselves go under ``--runs-dir`` (``/tmp/fp8_runs/<task>/<variant>``), and
+On a machine without FP8 tensor cores (a CPU) the FP8 variants run the plain-torch emulation, the
+GPU kernels' oracle, and ``bf16`` runs the app's ``auto`` precision there: float32 (``compute`` in
+the JSON names it).
+
+Writes ``fp8_loss_curves_<task>.json`` under ``$OUT`` (else ``benchmarks/results/``, or ``--out``);
+the runs themselves go under ``--runs-dir`` (``/tmp/fp8_runs/<task>/<variant>``, ``<variant>_s<seed>``
+with several seeds), and
 ``--reuse`` reads a variant already run there instead of running it again (split a long comparison
 over several commands). ``--dry-run`` prints the commands without running them.
 """
@@ -50,12 +62,15 @@ VARIANTS = {
 LAST = 20  # steps averaged for the final loss
 
 
-def overrides(task: str, variant: str, steps: int, run_dir: Path) -> list[str]:
+def overrides(task: str, variant: str, steps: int, run_dir: Path, seed: int | None = None) -> list[str]:
     """The app's overrides for one run: the task's, the variant's precision (keeping the task's
-    compute mode: bf16-true for llama_1b, auto elsewhere), and a loss logged every step."""
+    compute mode: bf16-true for llama_1b, auto elsewhere), the seed if given, and a loss logged
+    every step."""
     args = list(TASKS[task]) + list(VARIANTS[variant])
     if task == "llama_1b" and variant != "bf16":
         args.append("precision.precision=bf16_true")
+    if seed is not None:
+        args.append(f"seed={seed}")
     return args + [
         f"trainer.max_steps={steps}",
         "trainer.log_every_n_steps=1",
@@ -84,29 +99,66 @@ def summarise(run_dir: Path, seconds: float) -> dict:
         "final_train_loss": sum(tail) / len(tail),
         "val_loss": metrics["val"].get("loss"),
         "val_exact_match": metrics["val"].get("exact_match"),
+        "val_generated_exact_match": metrics["val"].get("generated_exact_match"),
         "real_tokens_per_s": metrics.get("real_tokens_per_s"),
         "seconds": seconds,
     }
 
 
+def _baseline(name: str) -> str:
+    return "nf4" if name == "nf4_fp8" else "bf16"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def compare(results: dict) -> dict:
-    """Each variant against bf16 (or nf4_fp8 against nf4): relative final loss, exact-match change."""
+    """Each variant against bf16 (or nf4_fp8 against nf4): relative final loss, exact-match change.
+
+    A result with ``seeds`` (one summary per seed) is compared through the means over its seeds,
+    and each seed's own comparison and the baseline's spread over its seeds are added."""
     out = {}
     for name, result in results.items():
-        base = results.get("nf4" if name == "nf4_fp8" else "bf16")
+        base = results.get(_baseline(name))
         if base is None or base is result:
             continue
-        rel = result["final_train_loss"] / base["final_train_loss"] - 1
+        runs, base_runs = result.get("seeds", [result]), base.get("seeds", [base])
+        loss = _mean([r["final_train_loss"] for r in runs])
+        base_loss = _mean([r["final_train_loss"] for r in base_runs])
+        rel = loss / base_loss - 1
         em = None
-        if result["val_exact_match"] is not None and base["val_exact_match"] is not None:
-            em = result["val_exact_match"] - base["val_exact_match"]
+        if all(r["val_exact_match"] is not None for r in runs + base_runs):
+            em = _mean([r["val_exact_match"] for r in runs]) - _mean(
+                [r["val_exact_match"] for r in base_runs]
+            )
         out[name] = {
             "final_loss_relative": rel,
             "exact_match_change": em,
             "loss_within_1pct": abs(rel) <= 0.01,
             "exact_match_within_0_02": None if em is None else abs(em) <= 0.02,
         }
+        if "seeds" in result:
+            by_seed = {r["seed"]: r for r in base_runs}
+            out[name]["seeds"] = len(runs)
+            out[name]["per_seed_final_loss_relative"] = {
+                str(r["seed"]): r["final_train_loss"] / by_seed[r["seed"]]["final_train_loss"] - 1
+                for r in runs
+                if r["seed"] in by_seed
+            }
+            out[name]["baseline_seed_spread"] = max(
+                abs(r["final_train_loss"] / base_loss - 1) for r in base_runs
+            )
     return out
+
+
+def combine_seeds(per_seed: dict[int, dict]) -> dict:
+    """One variant's runs over several seeds: the first seed's summary (curves and all) with every
+    seed's final figures under ``seeds``."""
+    first = per_seed[min(per_seed)]
+    keep = ("final_train_loss", "val_loss", "val_exact_match", "val_generated_exact_match", "seconds")
+    seeds = [{"seed": seed} | {k: run.get(k) for k in keep} for seed, run in sorted(per_seed.items())]
+    return first | {"seed": min(per_seed), "seeds": seeds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=sorted(TASKS), default="default")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--variants", default="bf16,fp8,fp8_e5m2,fp8_bf16grad")
+    parser.add_argument(
+        "--seeds", default=None, help="comma-separated app seeds, e.g. 0,1,2 (default: the app's)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="the JSON's folder (default: $OUT, else benchmarks/results)"
+    )
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument(
         "--reuse",
@@ -130,25 +188,34 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-    out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+    out_dir = Path(args.out or os.environ.get("OUT") or "benchmarks/results")
     runs = Path(args.runs_dir) / args.task
     results = {}
     for variant in variants:
-        command = [sys.executable, "-m", "lightning_sloth.train"]
-        command += overrides(args.task, variant, args.steps, runs / variant)
-        print(" ".join(command), flush=True)
-        if args.dry_run:
-            continue
-        if args.reuse and (runs / variant / "metrics.json").is_file():
-            results[variant] = summarise(runs / variant, float("nan"))
-            continue
-        start = time.perf_counter()
-        subprocess.run(command, check=True)
-        results[variant] = summarise(runs / variant, time.perf_counter() - start)
-        print(variant, {k: v for k, v in results[variant].items() if k != "train_loss"}, flush=True)
+        per_seed = {}
+        for seed in seeds:
+            run_dir = runs / (variant if seed is None else f"{variant}_s{seed}")
+            command = [sys.executable, "-m", "lightning_sloth.train"]
+            command += overrides(args.task, variant, args.steps, run_dir, seed)
+            print(" ".join(command), flush=True)
+            if args.dry_run:
+                continue
+            if args.reuse and (run_dir / "metrics.json").is_file():
+                per_seed[seed] = summarise(run_dir, float("nan"))
+                continue
+            start = time.perf_counter()
+            subprocess.run(command, check=True)
+            per_seed[seed] = summarise(run_dir, time.perf_counter() - start)
+            shown = {k: v for k, v in per_seed[seed].items() if k != "train_loss"}
+            print(variant, f"seed {seed}", shown, flush=True)
+        if not args.dry_run:
+            results[variant] = per_seed[None] if seeds == [None] else combine_seeds(per_seed)
     if args.dry_run:
         return
     import torch
+
+    from lightning_sloth.plugins.precision import resolve_precision
 
     record = {
         "task": args.task,
@@ -157,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         if torch.cuda.is_available()
         else platform.processor() or "cpu",
         "torch": torch.__version__,
+        "compute": resolve_precision("auto"),
+        "seeds": seeds if seeds != [None] else None,
         "results": results,
         "against_baseline": compare(results),
     }

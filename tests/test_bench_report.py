@@ -175,6 +175,51 @@ def test_fp8_loss_table_says_which_target_is_met():
     assert rows["bf16"].rstrip(" |").endswith("—")
 
 
+def _loss_curves_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "fp8_loss_curves", ROOT / "benchmarks" / "fp8_loss_curves.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp8_loss_over_seeds_compares_the_means_and_keeps_each_seed():
+    script = _loss_curves_script()
+    assert "seed=2" in script.overrides("default", "fp8", 200, Path("/tmp/x"), seed=2)
+    assert not any(a.startswith("seed=") for a in script.overrides("default", "fp8", 200, Path("/tmp/x")))
+
+    def run(loss, match):
+        return {
+            "train_loss": [[0, 1.0]],
+            "final_train_loss": loss,
+            "val_loss": loss,
+            "val_exact_match": match,
+        }
+
+    bf16 = script.combine_seeds({0: run(0.10, 0.70), 1: run(0.12, 0.72), 2: run(0.08, 0.74)})
+    fp8 = script.combine_seeds({0: run(0.11, 0.69), 1: run(0.12, 0.71), 2: run(0.082, 0.73)})
+    assert bf16["train_loss"] == [[0, 1.0]] and [r["seed"] for r in bf16["seeds"]] == [0, 1, 2]
+    verdict = script.compare({"bf16": bf16, "fp8": fp8})["fp8"]
+    assert verdict["final_loss_relative"] == pytest.approx(0.312 / 0.30 - 1)  # means: 0.104 vs 0.100
+    assert verdict["exact_match_change"] == pytest.approx(-0.01)
+    assert not verdict["loss_within_1pct"] and verdict["exact_match_within_0_02"]
+    assert verdict["per_seed_final_loss_relative"] == pytest.approx({"0": 0.1, "1": 0.0, "2": 0.025})
+    assert verdict["baseline_seed_spread"] == pytest.approx(0.2)  # 0.12 and 0.08 around 0.10
+    report = {"task": "default", "steps": 200, "compute": "32-true", "results": {"bf16": bf16, "fp8": fp8}}
+    report["against_baseline"] = {"fp8": verdict}
+    table = bench_tables.render_fp8_loss([report], ["x.json"], {})
+    rows = {
+        line.split(" | ")[1]: line
+        for line in table.splitlines()
+        if line.startswith("| default, 200, 32-true")
+    }
+    assert "| 0.1040 (+4.0%) |" in rows["fp8"] and "| 0.1000 |" in rows["bf16"]
+    assert "3 seeds: +10.0%, +0.0%, +2.5%; ±20.0%" in rows["fp8"] and "| 3 seeds |" in rows["bf16"]
+
+
 def test_long_context_table_has_a_column_per_step_and_every_category():
     names = ["long_context_llama_3_1_8b_16k_nf4_h100.json", "long_context_llama_3_1_8b_352256_nf4_h100.json"]
     reports = [json.loads((RESULTS / name).read_text()) for name in names]

@@ -328,34 +328,56 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
     )
 
 
+def _over_seeds(run: dict, key: str) -> float | None:
+    """A run's figure, averaged over its seeds where it has several (``--seeds``)."""
+    values = [r.get(key) for r in run.get("seeds", [run])]
+    return None if any(v is None for v in values) else sum(values) / len(values)
+
+
 def render_fp8_loss(reports: list[dict], sources: list[str], params: dict) -> str:
     """FP8 against bf16 bases over a run (``benchmarks/fp8_loss_curves.py``): per file (task) and
     variant, the final training loss (mean of the last steps) and its change against bf16, the
     validation loss and greedy exact match with its change, real tokens/s; and whether each
-    variant meets the targets (loss within 1%, exact match within 0.02)."""
+    variant meets the targets (loss within 1%, exact match within 0.02). Runs over several seeds
+    show means over the seeds, each seed's own loss change and bf16's spread over its seeds."""
     header = [
-        "task, steps",
+        "task, steps, compute",
         "bases",
         "final train loss: mean of the last 20 steps (vs bf16)",
         "val loss",
         "val exact match (vs bf16)",
     ]
-    header += ["real tokens/s", "targets: loss within 1% / exact match within 0.02"]
-    lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 3) + " --- |"]
+    header += [
+        "real tokens/s",
+        "seeds: each seed's loss change; bf16's spread",
+        "targets: loss within 1% / exact match within 0.02",
+    ]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "| --- | --- |" + " ---: |" * (len(header) - 4) + " --- | --- |",
+    ]
     for report in reports:
+        task = f"{report['task']}, {report['steps']}"
+        if report.get("compute"):
+            task += f", {report['compute']}"
         for variant, run in report["results"].items():
             cmp = report.get("against_baseline", {}).get(variant)
-            loss = f"{run['final_train_loss']:.4f}"
-            match = f"{run['val_exact_match']:.3f}"
-            targets = DASH
+            loss = f"{_over_seeds(run, 'final_train_loss'):.4f}"
+            match = f"{_over_seeds(run, 'val_exact_match'):.3f}"
+            targets = seeds = DASH
+            if "seeds" in run:
+                seeds = f"{len(run['seeds'])} seeds"
             if cmp is not None:
                 loss += f" ({cmp['final_loss_relative']:+.1%})"
                 match += f" ({cmp['exact_match_change']:+.3f})"
                 yes = {True: "yes", False: "**no**"}
                 targets = f"{yes[cmp['loss_within_1pct']]} / {yes[cmp['exact_match_within_0_02']]}"
+                if "per_seed_final_loss_relative" in cmp:
+                    each = ", ".join(f"{v:+.1%}" for v in cmp["per_seed_final_loss_relative"].values())
+                    seeds = f"{cmp['seeds']} seeds: {each}; ±{cmp['baseline_seed_spread']:.1%}"
             lines.append(
-                f"| {report['task']}, {report['steps']} | {variant} | {loss} | {run['val_loss']:.4f} | {match} "
-                f"| {num(run.get('real_tokens_per_s'), ',.0f')} | {targets} |"
+                f"| {task} | {variant} | {loss} | {_over_seeds(run, 'val_loss'):.4f} | {match} "
+                f"| {num(run.get('real_tokens_per_s'), ',.0f')} | {seeds} | {targets} |"
             )
     caption = "Generated from " + ", ".join(f"`{s}`" for s in sources)
     first = reports[0]
