@@ -520,6 +520,45 @@ def test_a_model_with_fp8_bases_groups_q_k_v_and_gate_up_with_the_same_loss_and_
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_fp8_bases_with_k_and_v_kept_group_each_kind_with_the_same_loss_and_gradients(monkeypatch):
+    """``k_proj``/``v_proj`` kept in 16 bits beside an FP8 ``q_proj``: k and v run as one 16-bit node,
+    q its own FP8 op, gate/up one FP8 node; the loss bit for bit that of the layers one by one."""
+    from lightning_sloth.ops import fp8_lora
+    from lightning_sloth.ops.lora_groups import _SharedInputLora
+
+    batch = packed_batch(random_documents([23, 17, 30], seed=3))
+    nodes = []
+    for cls in (_SharedInputLora, fp8_lora.SharedInputLoraFP8):
+        apply = cls.apply
+        monkeypatch.setattr(
+            cls, "apply", lambda *a, _f=apply, _c=cls: nodes.append((_c, len(a[1]))) or _f(*a)
+        )
+    results = []
+    for grouped in (True, False):
+        nodes.clear()
+        model = add_lora(tiny_llama())
+        converted = fp8_base_model(model, skip=("lm_head", "k_proj", "v_proj"), grad_format="bf16")
+        assert converted and not any(
+            name.endswith(("k_proj.base_layer", "v_proj.base_layer")) for name in converted
+        )
+        report = transform_model(model, kernels=True)
+        report.checkpointing.group_projections = grouped
+        model.train()
+        loss = model(**batch.model_inputs(), labels=batch.labels).loss
+        loss.backward()
+        if grouped:  # per layer (two), forward and recompute
+            assert sorted(nodes, key=str) == sorted(
+                [(_SharedInputLora, 2)] * 4 + [(fp8_lora.SharedInputLoraFP8, 2)] * 4, key=str
+            )
+        else:
+            assert nodes == []
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, grads), (want_loss, want_grads) = results
+    assert torch.equal(loss, want_loss)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_qlora_with_fp8_compute_keeps_the_4bit_storage_and_equals_fp8_bases_of_its_weights():
     from lightning_sloth.quant import dequantize_4bit_reference
 

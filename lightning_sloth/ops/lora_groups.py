@@ -154,13 +154,20 @@ class _SharedInputLora(torch.autograd.Function):
 _GROUPS = threading.local()  # .members: id(LoRA layer) -> its _Group while a block runs
 
 
+_OWN = object()
+"""A group member's pending entry when it computes on its own (in no node of its group)."""
+
+
 class _Group:
     """LoRA layers that read one input in a block: the first to run computes all their outputs
-    (:class:`_SharedInputLora`) and keeps the others' for their own calls with the same x."""
+    (:class:`_SharedInputLora` for 16-bit bases, :class:`~lightning_sloth.ops.fp8_lora.SharedInputLoraFP8`
+    for FP8 ones) and keeps the others' for their own calls with the same x. A group of both
+    kinds (FP8 bases with ``k_proj``/``v_proj`` kept in 16 bits) computes each kind's layers as one
+    node where there are two or more of them; a layer left alone runs its own op."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.modules = list(modules)
-        self.pending: dict[int, Tensor] = {}
+        self.pending: dict[int, object] = {}
         self.source: tuple[Tensor, int] | None = None
 
     def output(self, module: nn.Module, x: Tensor) -> Tensor | None:
@@ -168,21 +175,35 @@ class _Group:
             out = self.pending.pop(id(module), None)
             if not self.pending:
                 self.source = None
+            if out is _OWN:
+                return None
             if out is not None:
                 return out
         self.pending, self.source = {}, None
         if module not in self.modules:
             return None
-        resolved = []
+        plain, other = [], []
         for m in self.modules:
             parts = lora_layers.plain_parts(m)
             found = None if parts is None else lora_layers.compute_parts(m, parts, x)
             if found is None:
-                return self._fp8_outputs(module, x)  # FP8 bases, or None: each layer on its own
-            resolved.append(found)
-        dtype = resolved[0][0]
-        if any(r[0] != dtype for r in resolved):
+                other.append(m)
+            else:
+                plain.append((m, found))
+        outputs: dict[nn.Module, Tensor] = {}
+        if len(plain) > 1 and len({found[0] for _, found in plain}) == 1:
+            outputs.update(zip([m for m, _ in plain], self._plain_outputs(x, [found for _, found in plain])))
+        if len(other) > 1:
+            fp8 = shared_input_fp8(other, x)  # None: not every one of them a plain FP8 layer
+            if fp8 is not None:
+                outputs.update(zip(other, fp8))
+        if not outputs:
             return None
+        return self._keep(module, x, outputs)
+
+    @staticmethod
+    def _plain_outputs(x: Tensor, resolved: list[tuple]) -> tuple[Tensor, ...]:
+        dtype = resolved[0][0]
         casts = getattr(lora_layers.ADAPTER_CASTS, "copies", None)
         x_c = x if x.dtype == dtype else x.to(dtype)
         weights = [
@@ -195,18 +216,14 @@ class _Group:
             b if b.dtype == dtype else lora_layers.cast_adapter(b, dtype, casts) for _, _, _, b, _ in resolved
         ]
         scales = tuple(float(r[4]) for r in resolved)
-        outputs = _SharedInputLora.apply(x_c, scales, *weights, *adapters_a, *adapters_b)
-        return self._keep(module, x, outputs)
+        return _SharedInputLora.apply(x_c, scales, *weights, *adapters_a, *adapters_b)
 
-    def _fp8_outputs(self, module: nn.Module, x: Tensor) -> Tensor | None:
-        outputs = shared_input_fp8(self.modules, x)
-        return None if outputs is None else self._keep(module, x, outputs)
-
-    def _keep(self, module: nn.Module, x: Tensor, outputs: Sequence[Tensor]) -> Tensor:
-        """Keep the other layers' outputs for their calls with this x; return ``module``'s."""
-        self.pending = {id(m): y for m, y in zip(self.modules, outputs) if m is not module}
+    def _keep(self, module: nn.Module, x: Tensor, outputs: dict[nn.Module, Tensor]) -> Tensor | None:
+        """Keep the other layers' outputs (or that they run on their own) for their calls with this
+        x; return ``module``'s (None: it runs on its own)."""
+        self.pending = {id(m): outputs.get(m, _OWN) for m in self.modules if m is not module}
         self.source = (x, x._version)
-        return outputs[self.modules.index(module)]
+        return outputs.get(module)
 
 
 def shared_input_groups(layer: nn.Module) -> list[list[nn.Module]]:
