@@ -17,8 +17,9 @@ beside it (``seeds`` in the JSON).
 
 Tasks: ``default`` (the app's default run: LoRA on the packaged tiny base, synthetic task) and
 ``llama_1b`` (``experiment=llama_1b_bench``: the Llama-3.2-1B shape, random weights, 16k-token
-batches). Variants: ``bf16`` (the baseline), ``fp8`` (e4m3 gradients), ``fp8_e5m2``,
-``fp8_bf16grad``; ``nf4`` and ``nf4_fp8`` (QLoRA, NF4 bases requantised to FP8) on request::
+batches). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
+k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8_bf16grad``;
+``nf4`` and ``nf4_fp8`` (QLoRA, NF4 bases requantised to FP8) on request::
 
     python benchmarks/fp8_loss_curves.py --task default  --steps 200          # about 2 minutes
     python benchmarks/fp8_loss_curves.py --task llama_1b --steps 200 --variants bf16,fp8
@@ -54,6 +55,7 @@ TASKS = {
 VARIANTS = {
     "bf16": [],
     "fp8": ["precision=fp8_lora"],
+    "fp8_all": ["precision=fp8_lora", "precision.fp8_skip=[]"],
     "fp8_e5m2": ["precision=fp8_lora", "precision.fp8_grad=e5m2"],
     "fp8_bf16grad": ["precision=fp8_lora", "precision.fp8_grad=bf16"],
     "nf4": ["precision=qlora_nf4"],

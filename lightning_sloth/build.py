@@ -234,6 +234,8 @@ def build_precision(precision: DictConfig) -> SlothPrecision:
     quantize = precision.get("quantize")
     if quantize is None and not fp8:
         return SlothPrecision(precision.precision.value)
+    if fp8.get("base_dtype") == "fp8" and precision.get("fp8_skip") is not None:
+        fp8["fp8_skip"] = list(precision.fp8_skip)
     return SlothPrecision(
         precision.precision.value, quantize=quantize, quantize_skip=list(precision.quantize_skip), **fp8
     )

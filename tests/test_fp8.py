@@ -301,8 +301,31 @@ def _fit(precision):
 def test_trainer_with_fp8_bases_trains():
     module, losses = _fit(SlothPrecision("32-true", base_dtype="fp8"))
     model = find_hf_model(module)
-    assert sum(isinstance(m, LinearFP8) for m in model.modules()) == 14
+    fp8 = [name for name, m in model.named_modules() if isinstance(m, LinearFP8)]
+    assert len(fp8) == 10 and not any(part in name for name in fp8 for part in ("k_proj", "v_proj"))
     assert losses[-1] < losses[0] * 0.9
+
+
+def test_fp8_skip_keeps_the_key_and_value_products_out_of_fp8_by_default():
+    """``fp8_skip`` (default ``FP8_SKIP``: k_proj, v_proj) keeps those layers in the compute dtype,
+    in 16 bits or, with ``quantize``, in their 4-bit storage computed in the compute dtype;
+    ``fp8_skip=()`` puts every base layer but ``quantize_skip`` in FP8."""
+    from lightning_sloth.quant import FP8_SKIP
+
+    assert FP8_SKIP == ("k_proj", "v_proj")
+    model = SlothPrecision("32-true", base_dtype="fp8").convert_module(add_lora(tiny_llama()))
+    attention = model.base_model.model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj.base_layer, LinearFP8)
+    assert type(attention.k_proj.base_layer) is nn.Linear and type(attention.v_proj.base_layer) is nn.Linear
+    assert sum(isinstance(m, LinearFP8) for m in model.modules()) == 10
+    every = SlothPrecision("32-true", base_dtype="fp8", fp8_skip=()).convert_module(add_lora(tiny_llama()))
+    assert sum(isinstance(m, LinearFP8) for m in every.modules()) == 14
+    qlora = SlothPrecision("32-true", quantize="nf4", base_dtype="fp8").convert_module(add_lora(tiny_llama()))
+    layers = {name: m for name, m in qlora.named_modules() if isinstance(m, Linear4bit)}
+    assert len(layers) == 14  # the storage: every layer in 4 bits
+    in_fp8 = sorted(name.split(".")[-2] for name, m in layers.items() if m.fp8_grad is not None)
+    assert in_fp8 == sorted(["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] * 2)
+    assert SlothPrecision("32-true", base_dtype="fp8", fp8_skip="o_proj").fp8_skip == ("o_proj",)
 
 
 def test_precision_validates_fp8_choices():
@@ -311,7 +334,7 @@ def test_precision_validates_fp8_choices():
     qlora = SlothPrecision("32-true", quantize="nf4", base_dtype="fp8", fp8_grad="bf16")
     model = qlora.convert_module(add_lora(tiny_llama()))
     layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    assert len(layers) == 14 and all(m.fp8_grad == "bf16" for m in layers)
+    assert len(layers) == 14 and sorted(str(m.fp8_grad) for m in layers) == ["None"] * 4 + ["bf16"] * 10
     with pytest.raises(ValueError, match="base_dtype"):
         SlothPrecision("32-true", base_dtype="fp4")
     with pytest.raises(ValueError, match="fp8_grad|gradient format"):
@@ -357,6 +380,9 @@ def test_hydra_preset_builds_the_fp8_precision():
         precision = build.build_precision(cfg.precision)
         assert precision.base_dtype == "fp8" and precision.fp8_grad == "bf16"
         assert precision.quantize is None and precision.quantize_skip == ("lm_head",)
+        assert precision.fp8_skip == ("k_proj", "v_proj")
+        every = compose("train", overrides=["precision=fp8_lora", "precision.fp8_skip=[]"])
+        assert build.build_precision(every.precision).fp8_skip == ()
         qlora = build.build_precision(
             compose("train", overrides=["precision=fp8_lora", "precision.quantize=nf4"]).precision
         )

@@ -39,8 +39,10 @@ set next to the ``transform_model`` rows):
 
 FP8 systems (``systems=fp8``; FP8 tensor cores, sm89+):
     sloth_fp8              ``sloth_kernels`` with the frozen base linear layers in FP8 e4m3
-                           (``SlothPrecision(base_dtype="fp8")``); ``sloth_fp8_e5m2`` and
-                           ``sloth_fp8_bf16grad`` with the other input-gradient formats.
+                           (``SlothPrecision(base_dtype="fp8")``: k/v kept in bf16);
+                           ``sloth_fp8_all`` with k/v in FP8 too (``fp8_skip=()``);
+                           ``sloth_fp8_e5m2`` and ``sloth_fp8_bf16grad`` with the other
+                           input-gradient formats.
     sloth_nf4_fp8          ``sloth_nf4``'s NF4 storage, its products in FP8 (QLoRA with FP8 compute,
                            ``SlothPrecision(quantize="nf4", base_dtype="fp8")``).
 
@@ -72,7 +74,7 @@ from lightning_sloth.bench.workload import (
 )
 from lightning_sloth.ops import lora_groups
 from lightning_sloth.patching import OPS
-from lightning_sloth.quant.fp8 import fp8_base_model, fp8_compute_4bit
+from lightning_sloth.quant.fp8 import FP8_SKIP, fp8_base_model, fp8_compute_4bit
 from lightning_sloth.transform import transform_model
 
 
@@ -228,18 +230,22 @@ def _sloth_4bit(**settings) -> Callable:
     return setup
 
 
-def _sloth_fp8(grad_format: str = "e4m3", from_4bit: bool = False, **settings) -> Callable:
+def _sloth_fp8(
+    grad_format: str = "e4m3", from_4bit: bool = False, skip: tuple[str, ...] = FP8_SKIP, **settings
+) -> Callable:
     """lightning_sloth on FP8 base weights: the bf16 model with PEFT LoRA, its base linear layers
-    requantised to FP8 e4m3 (``lm_head`` kept); ``from_4bit``: the NF4 model, its storage kept and
-    its products in FP8 (QLoRA with FP8 compute). Then ``transform_model(kernels=True)``."""
+    requantised to FP8 e4m3 (``lm_head`` and ``skip`` kept: ``SlothPrecision``'s default
+    ``fp8_skip``, the key and value projections); ``from_4bit``: the NF4 model, its storage kept
+    and its products but ``skip``'s in FP8 (QLoRA with FP8 compute). Then
+    ``transform_model(kernels=True)``."""
 
     def setup(workload: Workload):
         base = quantized_base_model(workload) if from_4bit else None
         model = build_model(workload, "sdpa", checkpointing=False, base=base)
         if from_4bit:
-            fp8_compute_4bit(model, grad_format)
+            fp8_compute_4bit(model, grad_format, skip)
         else:
-            fp8_base_model(model, grad_format=grad_format)
+            fp8_base_model(model, skip=("lm_head", *skip), grad_format=grad_format)
         model._sloth_report = transform_model(model, kernels=True, **settings)
         return model
 
@@ -412,6 +418,11 @@ SUITE_SYSTEMS.update(
     {
         "sloth_fp8": SuiteSystem(
             'lightning_sloth, base_dtype="fp8" (kernels=True)', _sloth_fp8(), packed_batches
+        ),
+        "sloth_fp8_all": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", fp8_skip=() (k/v in FP8 too)',
+            _sloth_fp8(skip=()),
+            packed_batches,
         ),
         "sloth_fp8_e5m2": SuiteSystem(
             'lightning_sloth, base_dtype="fp8", fp8_grad="e5m2"', _sloth_fp8("e5m2"), packed_batches

@@ -40,7 +40,7 @@ from lightning_sloth.plugins.local_shards import (
     stepping_local_shards,
     steps_on_local_shards,
 )
-from lightning_sloth.quant.fp8 import float8_training, fp8_base_model, fp8_compute_4bit
+from lightning_sloth.quant.fp8 import FP8_SKIP, float8_training, fp8_base_model, fp8_compute_4bit
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
 
@@ -82,6 +82,10 @@ class SlothPrecision(Precision):
             decodes them to FP8: QLoRA with FP8 compute).
         fp8_grad: with ``base_dtype="fp8"``, the incoming gradient's format in the input-gradient
             product: ``"e4m3"`` (default), ``"e5m2"`` or ``"bf16"``.
+        fp8_skip: with ``base_dtype="fp8"``, module names (or name parts) whose products stay in
+            the compute dtype (stored as ``quantize`` says): ``("k_proj", "v_proj")`` by default
+            (:data:`~lightning_sloth.quant.fp8.FP8_SKIP`: narrow, slower in FP8, and the keys the
+            most sensitive to its rounding); ``()`` puts every base layer but ``quantize_skip`` in FP8.
         fp8_training: full fine-tuning with torchao's float8 training (row-wise recipe) on every
             linear layer but ``quantize_skip``; needs the ``fp8`` extra (torchao).
 
@@ -115,9 +119,11 @@ class SlothPrecision(Precision):
         base_dtype: str | None = None,
         fp8_grad: str = "e4m3",
         fp8_training: bool = False,
+        fp8_skip: Sequence[str] = FP8_SKIP,
     ) -> None:
         self.quantize = quantize
         self._set_fp8(base_dtype, fp8_grad, fp8_training)
+        self.fp8_skip = (fp8_skip,) if isinstance(fp8_skip, str) else tuple(fp8_skip)
         if quantize is not None:
             from lightning_sloth.ops.nf4_formats import check_quant_type
 
@@ -187,9 +193,9 @@ class SlothPrecision(Precision):
 
             quantize_model(module, self.quantize, self.quantize_skip)
         if self.base_dtype == "fp8" and self.quantize is not None:
-            fp8_compute_4bit(module, self.fp8_grad)  # 4-bit storage, FP8 products
+            fp8_compute_4bit(module, self.fp8_grad, self.fp8_skip)  # 4-bit storage, FP8 products
         elif self.base_dtype == "fp8":
-            fp8_base_model(module, self.quantize_skip, self.fp8_grad)
+            fp8_base_model(module, self.quantize_skip + self.fp8_skip, self.fp8_grad)
         if self.fp8_training:
             float8_training(module, self.quantize_skip)
         return super().convert_module(module)

@@ -26,7 +26,7 @@ from lightning_sloth.ops.nf4_formats import (
     quantize_4bit,
     to_bnb,
 )
-from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
+from lightning_sloth.quant.fp8 import FP8_SKIP, LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
 from lightning_sloth.quant.linear import (
     Linear4bit,
     check_checkpoint_quantization,
@@ -47,6 +47,7 @@ __all__ = [
     "dequantize_model",
     "float8_training",
     "four_bit_storage",
+    "FP8_SKIP",
     "fp8_base_model",
     "fp8_compute_4bit",
     "from_bnb",
