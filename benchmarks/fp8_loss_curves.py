@@ -158,7 +158,8 @@ def combine_seeds(per_seed: dict[int, dict]) -> dict:
     """One variant's runs over several seeds: the first seed's summary (curves and all) with every
     seed's final figures under ``seeds``."""
     first = per_seed[min(per_seed)]
-    keep = ("final_train_loss", "val_loss", "val_exact_match", "val_generated_exact_match", "seconds")
+    keep = ("final_train_loss", "val_loss", "val_exact_match", "val_generated_exact_match")
+    keep += ("real_tokens_per_s", "seconds")
     seeds = [{"seed": seed} | {k: run.get(k) for k in keep} for seed, run in sorted(per_seed.items())]
     return first | {"seed": min(per_seed), "seeds": seeds}
 

@@ -164,14 +164,14 @@ def test_fp8_loss_table_says_which_target_is_met():
     table = bench_tables.render_fp8_loss([report], ["fp8_loss_curves_default_h100.json"], {})
     rows = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| default")}
     assert set(rows) == set(report["results"])
-    verdict = report["against_baseline"]["fp8"]
+    verdict = report["against_baseline"]["fp8_all"]
     expected = {True: "yes", False: "**no**"}
     assert (
-        rows["fp8"]
+        rows["fp8_all"]
         .rstrip(" |")
         .endswith(f"{expected[verdict['loss_within_1pct']]} / {expected[verdict['exact_match_within_0_02']]}")
     )
-    assert f"({verdict['final_loss_relative']:+.1%})" in rows["fp8"]
+    assert f"({verdict['final_loss_relative']:+.1%})" in rows["fp8_all"]
     assert rows["bf16"].rstrip(" |").endswith("—")
 
 

@@ -334,12 +334,19 @@ def _over_seeds(run: dict, key: str) -> float | None:
     return None if any(v is None for v in values) else sum(values) / len(values)
 
 
+def _median_over_seeds(run: dict, key: str) -> float | None:
+    """A rate's median over a run's seeds (one slow first run aside), or the run's own."""
+    values = sorted(r[key] for r in run.get("seeds", []) if r.get(key) is not None)
+    return values[len(values) // 2] if values else run.get(key)
+
+
 def render_fp8_loss(reports: list[dict], sources: list[str], params: dict) -> str:
     """FP8 against bf16 bases over a run (``benchmarks/fp8_loss_curves.py``): per file (task) and
     variant, the final training loss (mean of the last steps) and its change against bf16, the
     validation loss and greedy exact match with its change, real tokens/s; and whether each
     variant meets the targets (loss within 1%, exact match within 0.02). Runs over several seeds
-    show means over the seeds, each seed's own loss change and bf16's spread over its seeds."""
+    show means over the seeds (tokens/s: the median), each seed's own loss change and bf16's spread
+    over its seeds."""
     header = [
         "task, steps, compute",
         "bases",
@@ -377,7 +384,7 @@ def render_fp8_loss(reports: list[dict], sources: list[str], params: dict) -> st
                     seeds = f"{cmp['seeds']} seeds: {each}; ±{cmp['baseline_seed_spread']:.1%}"
             lines.append(
                 f"| {task} | {variant} | {loss} | {_over_seeds(run, 'val_loss'):.4f} | {match} "
-                f"| {num(run.get('real_tokens_per_s'), ',.0f')} | {seeds} | {targets} |"
+                f"| {num(_median_over_seeds(run, 'real_tokens_per_s'), ',.0f')} | {seeds} | {targets} |"
             )
     caption = "Generated from " + ", ".join(f"`{s}`" for s in sources)
     first = reports[0]
