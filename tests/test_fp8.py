@@ -639,3 +639,22 @@ def test_flop_parameters_count_each_fp8_code_once_and_each_4bit_byte_twice():
     nf4 = tiny()
     assert quantize_model(nf4)
     assert flop_parameters(nf4) == expected
+
+
+def test_unit_scales_are_cached_for_eager_calls_only():
+    """The input gradient's ``[1, k]`` unit scales: one cached tensor per width in eager calls, a
+    fresh one while tracing (``torch.compile`` runs a decomposed op's body on fake tensors): a
+    cached real tensor must not enter a fake trace, nor a fake one the cache."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from lightning_sloth.ops import fp8 as fp8_ops
+
+    fp8_ops._cached_unit_scales.cache_clear()
+    with FakeTensorMode():
+        traced = fp8_ops._unit_scales(48, torch.device("cpu"))
+    assert isinstance(traced, FakeTensor) and fp8_ops._cached_unit_scales.cache_info().currsize == 0
+    eager = fp8_ops._unit_scales(48, torch.device("cpu"))
+    assert not isinstance(eager, FakeTensor) and torch.equal(eager, torch.ones(1, 48))
+    assert fp8_ops._unit_scales(48, torch.device("cpu")) is eager
+    with FakeTensorMode():
+        assert isinstance(fp8_ops._unit_scales(48, torch.device("cpu")), FakeTensor)

@@ -53,6 +53,7 @@ from lightning_sloth.ops.registry import (
     register_autograd,
     register_flops,
     sloth_op,
+    tracing,
     use_triton,
 )
 
@@ -94,9 +95,11 @@ def scaled_mm_applies(x: Tensor, n: int) -> bool:
 
 def _unit_scales(k, device: torch.device) -> Tensor:
     """``[1, k]`` float32 ones: the input gradient's scales for W's side (W's own are folded into
-    dy), made once per width and device rather than on every backward call (a symbolic width, met
-    while tracing with dynamic shapes, gets a fresh tensor: it has no hash)."""
-    if isinstance(k, int):
+    dy), made once per width and device rather than on every backward call. While tracing
+    (``torch.compile`` decomposes the op and runs its body on fake tensors; opcheck, ``make_fx``) a
+    fresh tensor: a cached real tensor must not enter a fake trace, nor a fake one the cache (a
+    symbolic width, from dynamic shapes, has no hash either)."""
+    if isinstance(k, int) and not tracing():
         return _cached_unit_scales(k, device)
     return torch.ones(1, k, dtype=torch.float32, device=device)
 
