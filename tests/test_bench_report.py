@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sloth.bench import fp8_tables
 from lightning_sloth.bench import headline as bench_headline
 from lightning_sloth.bench import report as bench_report
 from lightning_sloth.bench import tables as bench_tables
@@ -161,7 +162,7 @@ def test_moe_layer_table_shows_the_fused_permutation_where_measured():
 
 def test_fp8_loss_table_says_which_target_is_met():
     report = json.loads((RESULTS / "fp8_loss_curves_default_h100.json").read_text())
-    table = bench_tables.render_fp8_loss([report], ["fp8_loss_curves_default_h100.json"], {})
+    table = fp8_tables.render_fp8_loss([report], ["fp8_loss_curves_default_h100.json"], {})
     rows = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| default")}
     assert set(rows) == set(report["results"])
     verdict = report["against_baseline"]["fp8_all"]
@@ -210,7 +211,7 @@ def test_fp8_loss_over_seeds_compares_the_means_and_keeps_each_seed():
     assert verdict["baseline_seed_spread"] == pytest.approx(0.2)  # 0.12 and 0.08 around 0.10
     report = {"task": "default", "steps": 200, "compute": "32-true", "results": {"bf16": bf16, "fp8": fp8}}
     report["against_baseline"] = {"fp8": verdict}
-    table = bench_tables.render_fp8_loss([report], ["x.json"], {})
+    table = fp8_tables.render_fp8_loss([report], ["x.json"], {})
     rows = {
         line.split(" | ")[1]: line
         for line in table.splitlines()

@@ -35,13 +35,12 @@ import os
 import re
 from pathlib import Path
 
+from lightning_sloth.bench.fp8_tables import render_fp8_gemm, render_fp8_loss
 from lightning_sloth.bench.headline import plot_headline, render_families, render_headline
 from lightning_sloth.bench.tables import (
     merged_results,
     render_compact,
     render_ep_probe,
-    render_fp8_gemm,
-    render_fp8_loss,
     render_fsdp,
     render_kernels,
     render_long_context,
