@@ -142,10 +142,12 @@ def test_layers_sharing_an_input_quantise_it_once_with_the_layers_outputs_on_cud
     )
 
 
-def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients():
+@pytest.mark.parametrize("kept", [(), ("k_proj", "v_proj")], ids=["every-projection", "k-v-kept"])
+def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients(kept):
     """On the FP8 tensor cores: a tiny Llama (widths multiples of 16, so ``_scaled_mm`` runs) with FP8
     bases, bf16 autocast, trains one step with the recompute's down projection skipped
-    (``UnreadSumFP8``) and without: the same loss and every LoRA gradient bit for bit."""
+    (``UnreadSumFP8``) and without: the same loss and every LoRA gradient bit for bit; also with
+    the preset's k/v kept in bf16 (q/k/v then a group of both kinds)."""
     from _models import add_lora, packed_batch, random_documents, tiny_llama
 
     from lightning_sloth.quant.fp8 import fp8_base_model
@@ -155,7 +157,7 @@ def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients():
     results = []
     for skip in (False, True):
         model = add_lora(tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)).cuda().train()
-        fp8_base_model(model)
+        fp8_base_model(model, skip=("lm_head", *kept))
         report = transform_model(model, kernels=True)
         report.checkpointing.skip_unread_output = skip
         with torch.autocast("cuda", dtype=torch.bfloat16):
