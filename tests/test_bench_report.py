@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _scripts import benchmark_script
 
 from lightning_sloth.bench import fp8_tables
 from lightning_sloth.bench import headline as bench_headline
@@ -176,19 +177,8 @@ def test_fp8_loss_table_says_which_target_is_met():
     assert rows["bf16"].rstrip(" |").endswith("—")
 
 
-def _loss_curves_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "fp8_loss_curves", ROOT / "benchmarks" / "fp8_loss_curves.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_fp8_loss_over_seeds_compares_the_means_and_keeps_each_seed():
-    script = _loss_curves_script()
+    script = benchmark_script("fp8_loss_curves")
     assert "seed=2" in script.overrides("default", "fp8", 200, Path("/tmp/x"), seed=2)
     assert not any(a.startswith("seed=") for a in script.overrides("default", "fp8", 200, Path("/tmp/x")))
 

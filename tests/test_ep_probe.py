@@ -1,16 +1,10 @@
 """benchmarks/ep_probe.py's summary of the ranks' timings, on the CPU (the probe itself needs GPUs)."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from _scripts import benchmark_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ep_probe", ROOT / "benchmarks" / "ep_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("ep_probe")
 
 
 def test_every_collective_is_summarised_at_its_slowest_rank():

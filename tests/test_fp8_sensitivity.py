@@ -1,26 +1,14 @@
 """``benchmarks/fp8_sensitivity.py``: a trained run's validation loss with its base layers switched to
 FP8 one projection kind at a time (CPU emulation), as the docs' table of which layers FP8 hurts."""
 
-import importlib.util
 import json
-from pathlib import Path
 
+from _scripts import benchmark_script
 from test_export import SHORT_RUN, run_app
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "fp8_sensitivity", ROOT / "benchmarks" / "fp8_sensitivity.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_configurations_cover_each_projection_every_one_and_the_preset():
-    script = _script()
+    script = benchmark_script("fp8_sensitivity")
     configs = script.configurations()
     assert (
         configs["trained"] is None
@@ -34,7 +22,7 @@ def test_configurations_cover_each_projection_every_one_and_the_preset():
 def test_a_short_run_is_measured_per_configuration(tmp_path):
     run = tmp_path / "run"
     run_app(run, SHORT_RUN)
-    script = _script()
+    script = benchmark_script("fp8_sensitivity")
     script.main([str(run), "--out", str(tmp_path)])
     record = json.loads((tmp_path / "fp8_sensitivity.json").read_text())
     losses = record["runs"][str(run)]
