@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_sloth.offload import apply_checkpointing, plan_layers, plan_peak_bytes
+from lightning_sloth.offload.transient import backward_transient_bytes
 from lightning_sloth.ops import nf4
 from lightning_sloth.ops.linear_cross_entropy import (
     _chunked_linear_cross_entropy,
@@ -145,6 +146,57 @@ def test_plan_counts_the_workspace_once():
         plan_peak_bytes(leanest, [act] * n, [inp] * n, workspace_bytes=-1)
 
 
+def test_plan_counts_each_layers_backward_kept_or_not():
+    """A kept layer's backward runs with the layers below holding theirs: its transient bytes sit on
+    top of them. Without them the planner keeps every layer up to the budget exactly."""
+    act, inp, n = 100, 10, 3
+    kept = ["keep"] * n
+    assert plan_peak_bytes(kept, [act] * n, [inp] * n) == 300
+    assert plan_peak_bytes(kept, [act] * n, [inp] * n, backward_bytes=[0, 0, 50]) == 350
+    assert plan_peak_bytes(kept, [act] * n, [inp] * n, backward_bytes=[0, 250, 0]) == 450
+    # A checkpointed layer's backward adds it to its recomputed activations and the workspace.
+    assert plan_peak_bytes(["recompute"] * n, [act] * n, [inp] * n, 5, backward_bytes=7) == 20 + 100 + 5 + 7
+    assert plan_layers(n, act, inp, 300, offload=False) == kept
+    assert plan_layers(n, act, inp, 300, offload=False, backward_bytes=50) == ["recompute", "keep", "keep"]
+    assert plan_layers(n, act, inp, 350, offload=False, backward_bytes=50) == kept
+    with pytest.raises(ValueError, match="backward_bytes has 2 entries for 3 layers"):
+        plan_layers(n, act, inp, 300, backward_bytes=[1, 2])
+
+
+def test_the_backward_measurement_reads_the_peak_and_leaves_no_gradient(monkeypatch):
+    """The measurement's own logic, off CUDA: the device counters faked, the layer real. It
+    returns the peak above what was allocated before the backward, and puts nothing in ``.grad``."""
+    model = add_lora(tiny_llama(intermediate_size=96), r=4)
+    layer = model.base_model.model.model.layers[0]
+    hidden = torch.randn(1, 9, 64)
+    counters = {"allocated": 1000, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: counters.update(peak=1000))
+    calls = []
+
+    def grad(*args, **kwargs):
+        calls.append(kwargs)
+        counters["peak"] = 1700
+        return real_grad(*args, **kwargs)
+
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    positions = torch.arange(9)[None]
+    rotary = model.base_model.model.model.rotary_emb(hidden, positions)
+    output = layer(hidden, position_embeddings=rotary)
+    assert backward_transient_bytes(output, layer, (hidden,), torch.device("cuda")) == 700
+    assert len(calls) == 1 and all(p.grad is None for p in layer.parameters())
+    assert backward_transient_bytes(output, layer, (hidden,), torch.device("cpu")) == 0
+    with torch.no_grad():
+        assert (
+            backward_transient_bytes(
+                layer(hidden, position_embeddings=rotary), layer, (hidden,), torch.device("cuda")
+            )
+            == 0
+        )
+
+
 @pytest.mark.parametrize("quantize", [False, True])
 def test_measured_plan_on_a_4bit_base_counts_the_dequant_buffer(quantize):
     """The controller measures the same activations for a 4-bit base, adds its largest weight in
@@ -158,6 +210,7 @@ def test_measured_plan_on_a_4bit_base_counts_the_dequant_buffer(quantize):
     model(**batch.model_inputs(), labels=batch.labels).loss.backward()
     want = 64 * 96 * 4 if quantize else 0
     assert ckpt.workspace_bytes == want
+    assert ckpt.backward_bytes == [0, 0]  # measured on CUDA only
     assert ckpt.plan == ["keep", "keep"]
     act, inp = ckpt.activation_bytes, ckpt.input_bytes
     all_kept = plan_peak_bytes(["keep", "keep"], act, inp, want)

@@ -246,7 +246,10 @@ def memory_plan_record(report) -> dict:
         if layers.activation_bytes is not None:
             out["measured_layer_activation_mib"] = max(layers.activation_bytes) / 2**20
             out["measured_layer_input_mib"] = max(layers.input_bytes) / 2**20
-            peak = plan_peak_bytes(layers.plan, layers.activation_bytes, layers.input_bytes)
+            backward = layers.backward_bytes or 0
+            if backward:
+                out["measured_layer_backward_mib"] = max(backward) / 2**20
+            peak = plan_peak_bytes(layers.plan, layers.activation_bytes, layers.input_bytes, 0, backward)
             out["plan_estimated_activation_gib"] = peak / 2**30
     offloader = getattr(report, "offloader", None)
     if offloader is not None and offloader.enabled:

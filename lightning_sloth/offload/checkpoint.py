@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_sloth.hf_model import find_decoder_layers, recorded_outputs, unwrap_compiled
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
+from lightning_sloth.offload.transient import backward_transient_bytes
 from lightning_sloth.ops.lora_groups import grouped_projections, shared_input_groups
 from lightning_sloth.ops.lora_layers import adapter_casts
 from lightning_sloth.ops.nf4 import scratch_bytes
@@ -239,9 +240,10 @@ class CheckpointedLayers:
         self.plan = self._check_plan(plan) if plan is not None else self._leanest_plan()
         self.activation_bytes: list[int] | None = None
         self.input_bytes: list[int] | None = None
+        self.backward_bytes: list[int] | None = None  # each layer's backward beyond its activations
         self.budget_bytes: int | None = None
         self.workspace_bytes = 0
-        self._measured: list[tuple[int, int]] = []
+        self._measured: list[tuple[int, int, int]] = []
         # One compiled entry shared by all layers: they run the same code, so Dynamo builds one
         # graph (module parameters are graph inputs), and the checkpoint and hooks stay eager.
         options = compile_layers if isinstance(compile_layers, dict) else {}
@@ -414,12 +416,13 @@ class CheckpointedLayers:
             torch.random.fork_rng(devices=rng_devices),
             torch.autograd.graph.saved_tensors_hooks(count, _same),
         ):
-            forward(*args)
+            output = forward(*args)
+            backward = backward_transient_bytes(output, layer, args, device)
+        del output
         inputs = sum(t.numel() * t.element_size() for t in _tensors(args))
-        self._measured.append((sum(saved.values()), inputs))
+        self._measured.append((sum(saved.values()), inputs, backward))
         if index == len(self.layers) - 1 and len(self._measured) == len(self.layers):
-            self.activation_bytes = [a for a, _ in self._measured]
-            self.input_bytes = [i for _, i in self._measured]
+            self.activation_bytes, self.input_bytes, self.backward_bytes = map(list, zip(*self._measured))
             self.replan(self.budget_bytes)
 
     def _dequant_workspace(self, args: tuple) -> int:
@@ -474,10 +477,13 @@ class CheckpointedLayers:
                 budget_bytes,
                 offload=self.offloader is not None,
                 workspace_bytes=self.workspace_bytes,
+                backward_bytes=self.backward_bytes or 0,
             )
         if self.offloader is not None:
             self.offloader.activation_bytes_hint = max(self.activation_bytes)
-        peak = plan_peak_bytes(self.plan, self.activation_bytes, self.input_bytes, self.workspace_bytes)
+        peak = plan_peak_bytes(
+            self.plan, self.activation_bytes, self.input_bytes, self.workspace_bytes, self.backward_bytes or 0
+        )
         log.info(
             "layer plan for a %s-byte budget: %s (estimated activation peak %d bytes)",
             budget_bytes,

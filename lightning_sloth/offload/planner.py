@@ -11,6 +11,11 @@ plan: the dequantisation buffer of a 4-bit base (its largest weight in the compu
 buffer shared by every layer: :func:`lightning_sloth.ops.nf4.scratch_bytes`) and, where the MLPs
 run over token chunks, one chunk's intermediates. It shifts every checkpointed layer's backward
 peak, so it counts against the budget once, not per layer.
+
+``backward_bytes`` is what one layer's backward makes beyond what it saved: the gradients of its
+intermediates and its kernels' scratch (a wide-head attention backward's accumulators), measured
+per layer on the device. It counts for every layer, kept or checkpointed: a kept layer's backward
+runs with the layers below still holding theirs.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def plan_peak_bytes(
     act_bytes_per_layer: Sequence[int],
     input_bytes_per_layer: Sequence[int],
     workspace_bytes: int = 0,
+    backward_bytes: int | Sequence[int] = 0,
 ) -> int:
     """Peak device bytes the layers' activations take under ``plan`` (the planner's memory model).
 
@@ -45,6 +51,8 @@ def plan_peak_bytes(
 
         peak = max(sum(resident), max_i(sum(resident[:i]) + act[i] + prefetch[i - 1] + workspace))
 
+    and every layer's backward, kept or not, adds its ``backward_bytes`` to ``sum(resident[:i]) + act[i]``.
+
     Args:
         plan: one mode per layer, in forward order.
         act_bytes_per_layer: bytes one layer saves for its backward without checkpointing
@@ -52,12 +60,15 @@ def plan_peak_bytes(
         input_bytes_per_layer: bytes of one layer's input (what a checkpoint keeps).
         workspace_bytes: transient bytes of any layer's backward outside its activations (the
             4-bit dequantisation buffer).
+        backward_bytes: transient bytes of each layer's backward beyond its saved activations (one
+            value for all layers, or one per layer; 0: not measured).
 
     Returns:
         The peak in bytes.
     """
     if workspace_bytes < 0:
         raise ValueError(f"workspace_bytes must be non-negative, got {workspace_bytes}")
+    grads = _per_layer("backward_bytes", backward_bytes, len(plan))
     resident = [
         act if mode == "keep" else inp if mode == "recompute" else 0
         for mode, act, inp in zip(plan, act_bytes_per_layer, input_bytes_per_layer)
@@ -66,7 +77,9 @@ def plan_peak_bytes(
     for i, mode in enumerate(plan):
         if mode != "keep":
             prefetch = input_bytes_per_layer[i - 1] if i > 0 and plan[i - 1] == "offload" else 0
-            peak = max(peak, below + act_bytes_per_layer[i] + prefetch + workspace_bytes)
+            peak = max(peak, below + act_bytes_per_layer[i] + prefetch + workspace_bytes + grads[i])
+        else:
+            peak = max(peak, below + act_bytes_per_layer[i] + grads[i])
         below += resident[i]
     return peak
 
@@ -84,6 +97,7 @@ def plan_layers(
     *,
     offload: bool = True,
     workspace_bytes: int = 0,
+    backward_bytes: int | Sequence[int] = 0,
 ) -> list[LayerMode]:
     """Choose keep / recompute / offload per layer so the activations fit ``budget_bytes``.
 
@@ -103,6 +117,8 @@ def plan_layers(
         offload: allow ``"offload"`` (an offloader is available).
         workspace_bytes: transient bytes of any layer's backward outside its activations
             (:func:`plan_peak_bytes`).
+        backward_bytes: transient bytes of each layer's backward beyond its saved activations
+            (:func:`plan_peak_bytes`).
 
     Returns:
         One of ``"keep"``, ``"recompute"``, ``"offload"`` per layer, in forward order.
@@ -111,13 +127,14 @@ def plan_layers(
         raise ValueError(f"plan_layers needs at least one layer, got num_layers={num_layers}")
     act = _per_layer("act_bytes_per_layer", act_bytes_per_layer, num_layers)
     inp = _per_layer("input_bytes_per_layer", input_bytes_per_layer, num_layers)
+    grads = _per_layer("backward_bytes", backward_bytes, num_layers)
     plan: list[LayerMode] = ["offload" if offload else "recompute"] * (num_layers - 1) + ["recompute"]
 
     def upgrade(i: int, mode: LayerMode) -> None:
         previous, plan[i] = plan[i], mode
-        if plan_peak_bytes(plan, act, inp, workspace_bytes) > budget_bytes or _last_checkpointed_is_offloaded(
-            plan
-        ):
+        if plan_peak_bytes(
+            plan, act, inp, workspace_bytes, grads
+        ) > budget_bytes or _last_checkpointed_is_offloaded(plan):
             plan[i] = previous
 
     for i in reversed(range(num_layers - 1)):

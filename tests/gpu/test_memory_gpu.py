@@ -25,7 +25,7 @@ HIDDEN, INTERMEDIATE, TOKENS = 512, 8192, 32768
 MIB = 2**20
 
 
-def _model(base: str, chunk, offload: str = "on"):
+def _model(base: str, chunk, offload: str = "on", **sloth):
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2, num_attention_heads=8,
@@ -43,7 +43,9 @@ def _model(base: str, chunk, offload: str = "on"):
                 p.normal_(0, 0.02)
     if base == "nf4":
         quantize_model(model, "nf4")
-    transform_model(model, kernels=True, offload=offload, mlp_chunk_tokens=chunk)
+    model.sloth_report = transform_model(
+        model, kernels=True, offload=offload, mlp_chunk_tokens=chunk, **sloth
+    )
     return model.train()
 
 
@@ -134,7 +136,9 @@ def test_4bit_down_projection_writes_its_input_gradient_in_place(monkeypatch):
     loss, got, peak = _step(model, inputs)
     original = _forwards.lora_4bit_forward
     monkeypatch.setattr(
-        _forwards, "lora_4bit_forward", lambda module, x, overwrite_input=False, **kw: original(module, x, **kw)
+        _forwards,
+        "lora_4bit_forward",
+        lambda module, x, overwrite_input=False, **kw: original(module, x, **kw),
     )
     want_loss, want, plain_peak = _step(model, inputs)
     torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
@@ -144,3 +148,24 @@ def test_4bit_down_projection_writes_its_input_gradient_in_place(monkeypatch):
         assert (got[name] - want[name]).abs().max() / scale < 1e-2, name
     saved = TOKENS * INTERMEDIATE * 2
     assert peak <= plain_peak - saved * 3 // 4, (peak / MIB, plain_peak / MIB)
+
+
+def test_the_plan_measures_each_layers_backward_and_keeps_the_gradients():
+    """``memory_budget`` measures each layer's backward beyond its saved activations (at least the
+    incoming ``[tokens, hidden]`` gradient) in the first step, without touching ``.grad``: the
+    step's gradients are those of the same model without a plan."""
+    tokens = 8192
+    inputs = _batch(tokens)
+    planned = _model("bf16", None, offload="off", memory_budget="auto")
+    loss, got, _ = _step(planned, inputs)
+    layers = planned.sloth_report.checkpointing
+    assert layers.backward_bytes is not None and len(layers.backward_bytes) == 2
+    assert all(b >= tokens * HIDDEN * 2 for b in layers.backward_bytes), layers.backward_bytes
+    assert layers.plan == ["keep", "keep"]  # a 2-layer model keeps everything on a whole card
+    plain = _model("bf16", None, offload="off")
+    want_loss, want, _ = _step(plain, inputs)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().clamp_min(1e-6)
+        assert (got[name] - want[name]).abs().max() / scale < 1e-2, name
