@@ -195,6 +195,11 @@ def test_the_backward_measurement_reads_the_peak_and_leaves_no_gradient(monkeypa
             )
             == 0
         )
+    # Not in a process group of several ranks (DDP, FSDP2): their hooks would run mid-forward.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert backward_transient_bytes(output, layer, (hidden,), torch.device("cuda")) == 0
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("quantize", [False, True])

@@ -10,7 +10,10 @@ parameters and of its inputs through ``torch.autograd.grad``, which accumulates 
 
 On CUDA it resets the device's peak-memory counter (``torch.cuda.reset_peak_memory_stats``): a
 peak read later counts from the plan's first step. Elsewhere it returns 0: there is no peak counter
-to read, and the plan is made on CUDA only unless a byte budget is given.
+to read, and the plan is made on CUDA only unless a byte budget is given. It also returns 0 in a
+process group of more than one rank: there a layer's backward may run the data-parallel engine's
+hooks (FSDP2's gathers, its end-of-backward callback) in the middle of the forward, so the
+measurement is not made and the plan counts the saved activations alone, as before.
 """
 
 from __future__ import annotations
@@ -26,9 +29,14 @@ def _first_with_grad(output: Any) -> Tensor | None:
     return next((t for t in tree_leaves(output) if isinstance(t, Tensor) and t.grad_fn is not None), None)
 
 
+def _several_ranks() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def backward_transient_bytes(output: Any, layer: nn.Module, args: tuple, device: torch.device) -> int:
     """Peak device bytes the backward of ``output`` (a layer's forward on ``args``) allocates."""
-    if device.type != "cuda":
+    if device.type != "cuda" or _several_ranks():
         return 0
     out = _first_with_grad(output)
     if out is None:
