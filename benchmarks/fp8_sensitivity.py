@@ -25,15 +25,13 @@ import torch
 from omegaconf import OmegaConf
 from peft import PeftModel
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_sloth.attention import enable_packed_attention
-from lightning_sloth.config import register_configs
-from lightning_sloth.data import PackedDataModule, SyntheticTask
+from lightning_sloth.build import build_datamodule, build_model, build_tokenizer
+from lightning_sloth.export import load_run_config
+from lightning_sloth.module import LLAMA_PROJECTIONS as PROJECTIONS
 from lightning_sloth.module import shifted_targets
 from lightning_sloth.quant.fp8 import FP8_SKIP, fp8_base_model
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def configurations() -> dict[str, tuple[str, ...] | None]:
@@ -43,21 +41,6 @@ def configurations() -> dict[str, tuple[str, ...] | None]:
     for name in PROJECTIONS:
         configs[f"{name} alone"] = tuple(p for p in PROJECTIONS if p != name)
     return configs
-
-
-def _validation_batches(cfg, tokenizer) -> list:
-    data = cfg.data
-    train, val = SyntheticTask.splits(data.num_train, data.num_val, seed=data.seed, tasks=list(data.tasks))
-    module = PackedDataModule(
-        tokenizer,
-        train,
-        val,
-        max_tokens=data.max_tokens,
-        seed=data.seed,
-        pad_to_multiple_of=data.pad_to_multiple_of,
-    )
-    module.setup("fit")
-    return list(module.val_dataloader())
 
 
 @torch.no_grad()
@@ -73,17 +56,16 @@ def _loss(model, batches) -> float:
 
 def evaluate_run(run_dir: Path) -> dict[str, float]:
     """Validation loss per configuration for one app run (its saved config, base and adapter)."""
-    register_configs()
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    cfg = load_run_config(run_dir)
     if OmegaConf.select(cfg, "data.num_val") is None:
         raise ValueError(f"{run_dir}: not a run of the synthetic task (data.num_val missing)")
-    base = cfg.model.name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    batches = _validation_batches(cfg, tokenizer)
+    tokenizer = build_tokenizer(cfg.model)
+    data = build_datamodule(cfg.data, tokenizer)
+    data.setup("fit")
+    batches = list(data.val_dataloader())
     losses = {}
     for name, kept in configurations().items():
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model = PeftModel.from_pretrained(model, run_dir / "adapter")
+        model = PeftModel.from_pretrained(build_model(cfg.model, tokenizer).float(), run_dir / "adapter")
         if kept is not None:
             fp8_base_model(model, skip=("lm_head", *kept))
         enable_packed_attention(model)
