@@ -47,7 +47,5 @@ def backward_transient_bytes(output: Any, layer: nn.Module, args: tuple, device:
         return 0
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    grads = torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
-    peak = torch.cuda.max_memory_allocated(device)
-    del grads
-    return max(0, peak - base)
+    torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)
