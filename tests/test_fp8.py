@@ -25,7 +25,8 @@ from lightning_sloth.ops.fp8_formats import (
     fp8_linear_reference,
     quantize_rows,
 )
-from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8
+from lightning_sloth.ops.fp8_lora import lora_linear_fp8
+from lightning_sloth.ops.fp8_qlora import lora_linear_4bit_fp8
 from lightning_sloth.quant import Linear4bit, quantize_model
 from lightning_sloth.quant.fp8 import LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
 from lightning_sloth.transform import transform_model
@@ -151,7 +152,11 @@ def test_lora_linear_fp8_equals_the_base_product_plus_the_adapter(grad_format):
 def test_lora_linear_fp8_opcheck(grad_format):
     w, codes, scale = _weight(16, 32, seed=13)
     bits = codes.view(torch.uint8)
-    x, a, b = torch.randn(6, 32, requires_grad=True), torch.randn(4, 32, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+    x, a, b = (
+        torch.randn(6, 32, requires_grad=True),
+        torch.randn(4, 32, requires_grad=True),
+        torch.randn(16, 4, requires_grad=True),
+    )
     torch.library.opcheck(torch.ops.sloth.lora_linear_fp8.default, (x, bits, scale, a, b, 0.5, grad_format))
     xa = x.detach() @ a.detach().t()
     args = (torch.randn(6, 16), x.detach(), xa, bits, scale, a.detach(), b.detach(), 0.5, grad_format)
@@ -457,7 +462,11 @@ def test_lora_over_4bit_storage_with_fp8_compute_in_one_op_equals_it_over_the_fp
     codes, scale = quantize_rows(dequantize_4bit_reference(storage, torch.bfloat16), "e4m3")
     bits = (storage.packed, storage.block_absmax(), storage.code, storage.blocksize)
     gen = torch.Generator().manual_seed(10)
-    x, a, b = torch.randn(2, 7, 64, generator=gen), torch.randn(4, 64, generator=gen), torch.randn(48, 4, generator=gen)
+    x, a, b = (
+        torch.randn(2, 7, 64, generator=gen),
+        torch.randn(4, 64, generator=gen),
+        torch.randn(48, 4, generator=gen),
+    )
     dy = torch.randn(2, 7, 48, generator=gen)
     results = []
     for four_bit in (True, False):
@@ -483,7 +492,9 @@ def test_lora_over_4bit_storage_with_fp8_compute_in_one_op_equals_it_over_the_fp
 
 
 @pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
-def test_layers_sharing_an_input_over_fp8_bases_quantise_it_once_with_the_layers_outputs(grad_format, monkeypatch):
+def test_layers_sharing_an_input_over_fp8_bases_quantise_it_once_with_the_layers_outputs(
+    grad_format, monkeypatch
+):
     """q/k/v (or gate/up) over FP8 bases as one node: x quantised once instead of once per layer, the
     outputs bit for bit the separate ``lora_linear_fp8`` ops', every gradient theirs (float32, up to
     the order of the sums)."""
@@ -511,9 +522,14 @@ def test_layers_sharing_an_input_over_fp8_bases_quantise_it_once_with_the_layers
         calls.clear()
         if grouped:
             bits = [c.view(torch.uint8) for c, _ in weights]
-            ys = fp8_lora.SharedInputLoraFP8.apply(xs, (0.5,) * 3, grad_format, *bits, *[s for _, s in weights], *as_, *bs)
+            ys = fp8_lora.SharedInputLoraFP8.apply(
+                xs, (0.5,) * 3, grad_format, *bits, *[s for _, s in weights], *as_, *bs
+            )
         else:
-            ys = [lora_linear_fp8(xs, c, s, ai, bi, 0.5, grad_format) for (c, s), ai, bi in zip(weights, as_, bs)]
+            ys = [
+                lora_linear_fp8(xs, c, s, ai, bi, 0.5, grad_format)
+                for (c, s), ai, bi in zip(weights, as_, bs)
+            ]
         forward_quantisations = calls.count((37, 64))
         torch.autograd.backward(ys, dys)
         results.append(([y.detach() for y in ys], (xs.grad, *[t.grad for t in as_], *[t.grad for t in bs])))

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sloth.data import PackedCollator
 from lightning_sloth.ops.fp8_formats import quantize_rows
-from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8
+from lightning_sloth.ops.fp8_lora import lora_linear_fp8
+from lightning_sloth.ops.fp8_qlora import lora_linear_4bit_fp8
 from lightning_sloth.ops.lora import UnreadSum, lora_linear
 from lightning_sloth.ops.nf4 import lora_linear_4bit
 from lightning_sloth.quant import quantize_4bit, quantize_model

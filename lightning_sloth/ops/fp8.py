@@ -124,18 +124,25 @@ def fp8_product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     return fp8_linear_reference(x, weight, weight_scale)
 
 
-def fp8_grad_product(dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str) -> Tensor:
-    """``dy W`` for e4m3 ``W`` (see the module notes)."""
+def fp8_grad_product(
+    dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str, out: Tensor | None = None
+) -> Tensor:
+    """``dy W`` for e4m3 ``W`` (see the module notes); written into ``out`` (``[M, K]``, dy's dtype,
+    contiguous) where given, and returned."""
     if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
         qg, sg = quantize_activation(dy, grad_format, weight_scale.view(-1))
         ones = _unit_scales(weight.shape[1], dy.device)
         # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes),
         # made in tiles (torch's strided copy of one-byte elements runs at a fraction of the bandwidth).
         w_col = _kernels.transpose_bytes(weight).t()
+        if out is not None:
+            return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype, out=out)
         return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
     if grad_format == "bf16" and dy.device.type == "cuda":
-        return dy @ dequantize_rows(weight, weight_scale, dy.dtype)
-    return fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
+        weight = dequantize_rows(weight, weight_scale, dy.dtype)
+        return torch.mm(dy, weight) if out is None else torch.mm(dy, weight, out=out)
+    dx = fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
+    return dx if out is None else out.copy_(dx)
 
 
 @sloth_op("linear_fp8")

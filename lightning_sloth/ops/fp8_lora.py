@@ -1,6 +1,7 @@
 """LoRA over a frozen FP8 base as one op: ``sloth::lora_linear_fp8`` (the base stored in e4m3,
-:class:`~lightning_sloth.quant.fp8.LinearFP8`) and ``sloth::lora_linear_4bit_fp8`` (stored in 4 bits,
-computed in FP8: QLoRA with ``base_dtype="fp8"``).
+:class:`~lightning_sloth.quant.fp8.LinearFP8`); the same products over a base stored in 4 bits
+(QLoRA with ``base_dtype="fp8"``) are :mod:`lightning_sloth.ops.fp8_qlora`'s, built on this module's
+pieces.
 
 ``y = x W^T + s (x A^T) B^T`` with the adapter's ``B`` product added into the FP8 GEMM's output, and
 ``dx = dy W + (s dy B) A`` with the adapter's part added into the FP8 input-gradient GEMM's output:
@@ -11,6 +12,11 @@ Around them, as the 16-bit and 4-bit LoRA paths have: :class:`UnreadSumFP8` (a c
 recompute skips the down projection's quantisation and product, whose values nothing reads) and
 :class:`SharedInputLoraFP8` (layers that read one input, q/k/v and gate/up, as one node that
 quantises it once).
+
+``overwrite_input=True`` (the MLP's down projection, whose input nothing reads afterwards): the
+backward (``sloth::lora_linear_fp8_backward_``) writes x's gradient into x's memory, the FP8
+input-gradient GEMM's output landing there directly (``_scaled_mm(..., out=)``), as the 16-bit and
+4-bit ops do: one ``[tokens, in]`` buffer fewer at the backward's peak.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from torch import Tensor, nn
 from lightning_sloth.ops.fp8 import (
     E4M3,
     check_fp8_operands,
-    fp8_from_4bit,
     fp8_grad_product,
     fp8_product,
     quantize_activation,
@@ -31,10 +36,9 @@ from lightning_sloth.ops.fp8 import (
 )
 from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, quantize_rows
 from lightning_sloth.ops.lora_layers import adapter_in, plain_parts
-from lightning_sloth.ops.nf4 import _check_storage
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
-__all__ = ["UnreadSumFP8", "lora_linear_4bit_fp8", "lora_linear_fp8", "plain_fp8", "shared_input_fp8"]
+__all__ = ["UnreadSumFP8", "lora_linear_fp8", "plain_fp8", "shared_input_fp8"]
 
 
 class UnreadSumFP8(torch.autograd.Function):
@@ -42,21 +46,22 @@ class UnreadSumFP8(torch.autograd.Function):
     nothing reads the sum's values, only its gradients (a checkpointed layer's recompute): the
     forward keeps what the backward reads (x and ``xa = x A^T``) and skips the base product, its
     quantisation (and a 4-bit weight's decode), returning uninitialised memory; the backward is the
-    op's (``backward_op``: :func:`_lora_backward_op` or :func:`_lora_4bit_backward_op`, the same
-    products, the same values), with the sum's gradient passed to ``residual`` too. As
-    ``ops.lora.UnreadSum`` and ``ops.nf4.UnreadSum4bit`` for 16-bit and 4-bit bases.
+    op's (the same products, the same values), with the sum's gradient passed to ``residual`` too.
+    As ``ops.lora.UnreadSum`` and ``ops.nf4.UnreadSum4bit`` for 16-bit and 4-bit bases.
 
-    ``forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_op, constants, *storage)``:
-    ``storage`` the base's tensors and ``constants`` its other arguments, in the backward op's order.
+    ``forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_ops, constants, *storage)``:
+    ``backward_ops`` the op's ``(backward, in-place backward or None)`` (None: x is not overwritten;
+    :func:`_lora_backward_op` and :func:`_lora_backward_inplace_op`, or the 4-bit ones), ``storage``
+    the base's tensors and ``constants`` its other arguments, in the backward ops' order.
     """
 
     @staticmethod
-    def forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_op, constants, *storage):
+    def forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_ops, constants, *storage):
         rows = x.reshape(-1, x.shape[-1])
         xa = rows @ lora_a.t()
         ctx.save_for_backward(rows, xa, lora_a, lora_b, *storage)
-        ctx.scale, ctx.grad_format, ctx.op, ctx.constants, ctx.x_shape = (
-            scale, grad_format, backward_op, constants, x.shape,
+        ctx.scale, ctx.grad_format, ctx.ops, ctx.constants, ctx.x_shape = (
+            scale, grad_format, backward_ops, constants, x.shape,
         )  # fmt: skip
         # The sum's dtype, as ``residual + y`` promotes (a float32 residual stream under autocast).
         return residual.new_empty(residual.shape, dtype=torch.promote_types(residual.dtype, x.dtype))
@@ -68,16 +73,29 @@ class UnreadSumFP8(torch.autograd.Function):
         if any(need[8:]):
             raise RuntimeError("lightning_sloth: the FP8 / 4-bit base weight is frozen; it has no gradient")
         grad_y = (grad if grad.dtype == rows.dtype else grad.to(rows.dtype)).reshape(-1, lora_b.shape[0])
-        dx, da, db = call(
-            ctx.op, grad_y.contiguous(), rows, xa, *storage, *ctx.constants, lora_a, lora_b, ctx.scale,
-            ctx.grad_format, need[1], need[2], need[3],
-        )  # fmt: skip
-        dx = dx.view(ctx.x_shape) if need[1] else None
+        op, inplace_op = ctx.ops
+        args = (
+            grad_y.contiguous(),
+            rows,
+            xa,
+            *storage,
+            *ctx.constants,
+            lora_a,
+            lora_b,
+            ctx.scale,
+            ctx.grad_format,
+        )
+        if inplace_op is not None and need[1]:
+            da, db = call(inplace_op, *args, need[2], need[3])
+            dx = rows.view(ctx.x_shape)  # x's gradient, where x was (rows is x's memory, or its copy)
+        else:
+            dx, da, db = call(op, *args, need[1], need[2], need[3])
+            dx = dx.view(ctx.x_shape) if need[1] else None
         da, db = (da if need[2] else None), (db if need[3] else None)
         return grad if need[0] else None, dx, da, db, None, None, None, None, *([None] * len(storage))
 
 
-def _check_unread(residual: Tensor, x: Tensor, out_features: int) -> None:
+def check_unread(residual: Tensor, x: Tensor, out_features: int) -> None:
     if residual.shape != (*x.shape[:-1], out_features) or not residual.is_floating_point():
         raise ValueError(
             f"unread_sum_with must be a floating [..., out] residual of shape {(*x.shape[:-1], out_features)}, "
@@ -85,7 +103,7 @@ def _check_unread(residual: Tensor, x: Tensor, out_features: int) -> None:
         )
 
 
-def _lora_outputs(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, base) -> tuple[Tensor, Tensor]:
+def lora_outputs(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, base) -> tuple[Tensor, Tensor]:
     """``(y, xa)``: ``y = base() + scale (x A^T) B^T`` with the B product added into ``base()``'s
     output (``base``: the FP8 product ``x W^T``, called only where x has rows)."""
     xa = x @ lora_a.t()
@@ -95,7 +113,7 @@ def _lora_outputs(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, base)
     return y, xa
 
 
-def _lora_grads(grad_y, x, xa, lora_a, lora_b, scale: float, needed: tuple[bool, bool, bool], base_dx):
+def lora_grads(grad_y, x, xa, lora_a, lora_b, scale: float, needed: tuple[bool, bool, bool], base_dx):
     """``(dx, dA, dB)``, empty where not ``needed``: ``dx = base_dx() + (scale dy B) A`` with the
     adapter's part added into the FP8 input-gradient product's output (``base_dx``: ``dy W``, called
     only where x's gradient is asked for and there are rows)."""
@@ -111,7 +129,24 @@ def _lora_grads(grad_y, x, xa, lora_a, lora_b, scale: float, needed: tuple[bool,
     return dx, da, db
 
 
-def _grads_fake(x, lora_a, lora_b, grad_x: bool, grad_a: bool, grad_b: bool):
+def lora_grads_into(grad_y, x, xa, lora_a, lora_b, scale: float, grad_a: bool, grad_b: bool, base_dx_into):
+    """``(dA, dB)`` (empty where not asked for) with x's gradient written into x's memory:
+    :func:`lora_grads`' products in the same order, ``dA`` reading x before ``base_dx_into(out)``
+    (``dy W`` written into ``out``: x itself where x is contiguous, else None and returned) lands
+    there."""
+    g = (grad_y @ lora_b) * scale
+    da = g.t() @ x if grad_a else x.new_empty(0)
+    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
+    if grad_y.shape[0]:
+        dx = base_dx_into(x if x.is_contiguous() else None)
+        if lora_a.shape[0]:
+            dx.addmm_(g, lora_a)
+        if dx is not x:
+            x.copy_(dx)
+    return da, db
+
+
+def grads_fake(x, lora_a, lora_b, grad_x: bool, grad_a: bool, grad_b: bool):
     return (
         torch.empty_like(x) if grad_x else x.new_empty(0),
         torch.empty_like(lora_a) if grad_a else x.new_empty(0),
@@ -129,16 +164,18 @@ def _lora_op(
     lora_b: Tensor,
     scale: float,
     grad_format: str,
+    overwrite_input: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(y, xa)`` for ``x [M, K]``: ``y = x W^T + scale (x A^T) B^T`` with the B product added
-    into the FP8 GEMM's output; ``xa = x A^T`` is kept for the backward."""
-    return _lora_outputs(
+    into the FP8 GEMM's output; ``xa = x A^T`` is kept for the backward. ``overwrite_input``: the
+    backward writes x's gradient into x."""
+    return lora_outputs(
         x, lora_a, lora_b, scale, lambda: fp8_product(x, weight_bits.view(E4M3), weight_scale)
     )
 
 
 @_lora_op.register_fake
-def _lora_fake(x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format):
+def _lora_fake(x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format, overwrite_input=False):
     return x.new_empty((x.shape[0], weight_bits.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
 
 
@@ -159,7 +196,7 @@ def _lora_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dA, dB)`` (empty where not asked for): ``dx = dy W + (scale dy B) A``, the adapter's
     part added into the FP8 input-gradient GEMM's output (no separate sum of two ``[M, K]``)."""
-    return _lora_grads(
+    return lora_grads(
         grad_y, x, xa, lora_a, lora_b, scale, (grad_x, grad_a, grad_b),
         lambda: fp8_grad_product(grad_y, weight_bits.view(E4M3), weight_scale, grad_format),
     )  # fmt: skip
@@ -169,14 +206,44 @@ def _lora_backward_op(
 def _lora_backward_fake(
     grad_y, x, xa, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
 ):
-    return _grads_fake(x, lora_a, lora_b, grad_x, grad_a, grad_b)
+    return grads_fake(x, lora_a, lora_b, grad_x, grad_a, grad_b)
+
+
+@sloth_op("lora_linear_fp8_backward_", mutates_args=("x",))
+def _lora_backward_inplace_op(
+    grad_y: Tensor,
+    x: Tensor,
+    xa: Tensor,
+    weight_bits: Tensor,
+    weight_scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    grad_format: str,
+    grad_a: bool,
+    grad_b: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`_lora_backward_op` writing ``dx`` into x (after ``dA`` has read it): the same products
+    in the same order, the FP8 GEMM's output landing in x. Returns ``(dA, dB)``."""
+    return lora_grads_into(
+        grad_y, x, xa, lora_a, lora_b, scale, grad_a, grad_b,
+        lambda out: fp8_grad_product(grad_y, weight_bits.view(E4M3), weight_scale, grad_format, out),
+    )  # fmt: skip
+
+
+@_lora_backward_inplace_op.register_fake
+def _lora_backward_inplace_fake(
+    grad_y, x, xa, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format, grad_a, grad_b
+):
+    return grads_fake(x, lora_a, lora_b, False, grad_a, grad_b)[1:]
 
 
 def _lora_setup(ctx, inputs, output):
-    x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format = inputs
+    x, weight_bits, weight_scale, lora_a, lora_b, scale, grad_format = inputs[:7]
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, output[1], weight_bits, weight_scale, lora_a, lora_b)
     ctx.scale, ctx.grad_format = scale, grad_format
+    ctx.overwrite_input = len(inputs) > 7 and bool(inputs[7])
 
 
 def _lora_backward(ctx, grad_y, _grad_xa):
@@ -184,24 +251,26 @@ def _lora_backward(ctx, grad_y, _grad_xa):
     if need[1] or need[2]:
         raise RuntimeError("sloth::lora_linear_fp8: the FP8 base weight is frozen; it has no gradient")
     x, xa, weight_bits, weight_scale, lora_a, lora_b = ctx.saved_tensors
-    dx, da, db = call(
-        _lora_backward_op,
-        grad_y.contiguous(), x, xa, weight_bits, weight_scale, lora_a, lora_b, ctx.scale, ctx.grad_format,
-        need[0], need[3], need[4],
-    )  # fmt: skip
-    return dx if need[0] else None, None, None, da if need[3] else None, db if need[4] else None, None, None
+    args = (grad_y.contiguous(), x, xa, weight_bits, weight_scale, lora_a, lora_b, ctx.scale, ctx.grad_format)
+    if ctx.overwrite_input and need[0]:
+        da, db = call(_lora_backward_inplace_op, *args, need[3], need[4])
+        dx = x
+    else:
+        dx, da, db = call(_lora_backward_op, *args, need[0], need[3], need[4])
+    dx, da, db = (dx if need[0] else None), (da if need[3] else None), (db if need[4] else None)
+    return dx, None, None, da, db, None, None, None
 
 
 register_autograd(_lora_op, _lora_backward, _lora_setup)
 
 
-def _lora_forward_flops(x, w, s, a, b, scale, fmt, out_shape=None) -> int:
+def lora_forward_flops(x, w, s, a, b, scale, fmt, overwrite_input=False, out_shape=None) -> int:
     m, k = x
     n, r = b
     return 2 * m * k * (n + r) + 2 * m * r * n
 
 
-def _lora_backward_flops(dy, x, xa, w, s, a, b, scale, fmt, gx, ga, gb, out_shape=None) -> int:
+def lora_backward_flops(dy, x, xa, w, s, a, b, scale, fmt, gx, ga, gb, out_shape=None) -> int:
     m, n = dy
     k, r = x[1], a[0]
     flops = 2 * m * n * r if (gx or ga) else 0  # g = dy B
@@ -210,8 +279,14 @@ def _lora_backward_flops(dy, x, xa, w, s, a, b, scale, fmt, gx, ga, gb, out_shap
     return flops + (2 * n * m * r if gb else 0)
 
 
-register_flops(_lora_op, _lora_forward_flops)
-register_flops(_lora_backward_op, _lora_backward_flops)
+register_flops(_lora_op, lora_forward_flops)
+register_flops(_lora_backward_op, lora_backward_flops)
+register_flops(
+    _lora_backward_inplace_op,
+    lambda dy, x, xa, w, s, a, b, scale, fmt, ga, gb, out_shape=None: lora_backward_flops(
+        dy, x, xa, w, s, a, b, scale, fmt, True, ga, gb
+    ),
+)
 
 
 def lora_linear_fp8(
@@ -223,6 +298,7 @@ def lora_linear_fp8(
     scale: float,
     grad_format: str = "e4m3",
     unread_sum_with: Tensor | None = None,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """``x W^T + scale (x A^T) B^T`` for the frozen FP8 ``W`` and trained LoRA factors, as one op.
 
@@ -237,6 +313,8 @@ def lora_linear_fp8(
         grad_format: ``"e4m3"``, ``"e5m2"`` or ``"bf16"`` (:func:`linear_fp8`).
         unread_sum_with: a residual ``[..., out]``: returns ``residual + y`` for a backward only, its
             values never computed (:class:`UnreadSumFP8`: no quantisation, no base product).
+        overwrite_input: the backward writes x's gradient into x's memory (an x nothing reads
+            afterwards: saves one ``[..., in]`` buffer).
 
     Returns:
         ``[..., out]`` in x's dtype; gradients flow to x, A and B.
@@ -261,171 +339,15 @@ def lora_linear_fp8(
             f"lora_linear_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})"
         )
     if unread_sum_with is not None:
-        _check_unread(unread_sum_with, x, out_features)
+        check_unread(unread_sum_with, x, out_features)
         bits = (weight.view(torch.uint8), weight_scale)
         fmt = check_grad_format(grad_format)
-        return UnreadSumFP8.apply(
-            unread_sum_with, x, lora_a, lora_b, float(scale), fmt, _lora_backward_op, (), *bits
-        )
+        ops = (_lora_backward_op, _lora_backward_inplace_op if overwrite_input else None)
+        return UnreadSumFP8.apply(unread_sum_with, x, lora_a, lora_b, float(scale), fmt, ops, (), *bits)
     rows = x.reshape(-1, in_features)
     y, _ = call(
         _lora_op, rows, weight.view(torch.uint8), weight_scale, lora_a, lora_b, float(scale),
-        check_grad_format(grad_format),
-    )  # fmt: skip
-    return y.view(*x.shape[:-1], out_features)
-
-
-# ------------------------------------------------------------------ LoRA over a 4-bit base, FP8 compute, one op
-@sloth_op("lora_linear_4bit_fp8")
-def _lora_4bit_op(
-    x: Tensor,
-    packed: Tensor,
-    absmax: Tensor,
-    code: Tensor,
-    blocksize: int,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    scale: float,
-    grad_format: str,
-) -> tuple[Tensor, Tensor]:
-    """``(y, xa)``: :func:`_lora_op`'s products for a 4-bit ``W [out, in]`` (``out`` from ``lora_b``),
-    decoded and quantised to e4m3 inside the op as :func:`linear_4bit_fp8` does."""
-    shape = (lora_b.shape[0], x.shape[1])
-    return _lora_outputs(
-        x,
-        lora_a,
-        lora_b,
-        scale,
-        lambda: fp8_product(x, *fp8_from_4bit(packed, absmax, code, blocksize, shape)),
-    )
-
-
-@_lora_4bit_op.register_fake
-def _lora_4bit_fake(x, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format):
-    return x.new_empty((x.shape[0], lora_b.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
-
-
-@sloth_op("lora_linear_4bit_fp8_backward")
-def _lora_4bit_backward_op(
-    grad_y: Tensor,
-    x: Tensor,
-    xa: Tensor,
-    packed: Tensor,
-    absmax: Tensor,
-    code: Tensor,
-    blocksize: int,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    scale: float,
-    grad_format: str,
-    grad_x: bool,
-    grad_a: bool,
-    grad_b: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dA, dB)`` of :func:`_lora_4bit_op` (empty where not asked for), the weight decoded again."""
-    shape = (grad_y.shape[1], x.shape[1])
-    return _lora_grads(
-        grad_y, x, xa, lora_a, lora_b, scale, (grad_x, grad_a, grad_b),
-        lambda: fp8_grad_product(grad_y, *fp8_from_4bit(packed, absmax, code, blocksize, shape), grad_format),
-    )  # fmt: skip
-
-
-@_lora_4bit_backward_op.register_fake
-def _lora_4bit_backward_fake(
-    grad_y, x, xa, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format, grad_x, grad_a, grad_b
-):
-    return _grads_fake(x, lora_a, lora_b, grad_x, grad_a, grad_b)
-
-
-def _lora_4bit_setup(ctx, inputs, output):
-    x, packed, absmax, code, blocksize, lora_a, lora_b, scale, grad_format = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x, output[1], packed, absmax, code, lora_a, lora_b)
-    ctx.blocksize, ctx.scale, ctx.grad_format = blocksize, scale, grad_format
-
-
-def _lora_4bit_backward(ctx, grad_y, _grad_xa):
-    need = ctx.needs_input_grad
-    if any(need[1:4]):
-        raise RuntimeError("sloth::lora_linear_4bit_fp8: the 4-bit base weight is frozen; it has no gradient")
-    x, xa, packed, absmax, code, lora_a, lora_b = ctx.saved_tensors
-    dx, da, db = call(
-        _lora_4bit_backward_op,
-        grad_y.contiguous(), x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale,
-        ctx.grad_format, need[0], need[5], need[6],
-    )  # fmt: skip
-    da, db = (da if need[5] else None), (db if need[6] else None)
-    return dx if need[0] else None, None, None, None, None, da, db, None, None
-
-
-def _lora_4bit_forward_flops(x, p, a_max, c, blocksize, a, b, scale, fmt, out_shape=None) -> int:
-    return _lora_forward_flops(x, (b[0], x[1]), None, a, b, scale, fmt) + x[1] * b[0]  # + the decode
-
-
-def _lora_4bit_backward_flops(
-    dy, x, xa, p, a_max, c, blocksize, a, b, scale, fmt, gx, ga, gb, out_shape=None
-) -> int:
-    w = (dy[1], x[1])
-    return _lora_backward_flops(dy, x, xa, w, None, a, b, scale, fmt, gx, ga, gb) + (w[0] * w[1] if gx else 0)
-
-
-register_autograd(_lora_4bit_op, _lora_4bit_backward, _lora_4bit_setup)
-register_flops(_lora_4bit_op, _lora_4bit_forward_flops)
-register_flops(_lora_4bit_backward_op, _lora_4bit_backward_flops)
-
-
-def lora_linear_4bit_fp8(
-    x: Tensor,
-    packed: Tensor,
-    absmax: Tensor,
-    code: Tensor,
-    blocksize: int,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    scale: float,
-    grad_format: str = "e4m3",
-    unread_sum_with: Tensor | None = None,
-) -> Tensor:
-    """QLoRA with FP8 compute as one op: ``x W^T + scale (x A^T) B^T`` for a frozen 4-bit ``W``
-    (``[out, in]``, ``out = lora_b.shape[0]``) computed as :func:`linear_4bit_fp8` computes it, the
-    adapter's parts added into the FP8 products' outputs (:func:`lora_linear_fp8`). The weight stays
-    in 4 bits; nothing dense is saved for the backward. ``unread_sum_with``: as
-    :func:`lora_linear_fp8`'s (no decode either).
-
-    Returns:
-        ``[..., out]`` in x's dtype; gradients flow to x, A and B.
-    """
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"lora_linear_4bit_fp8 computes in float16/bfloat16/float32, got {x.dtype}")
-    out_features, in_features = lora_b.shape[0], x.shape[-1]
-    if tuple(lora_a.shape[1:]) != (in_features,) or lora_b.shape[1] != lora_a.shape[0]:
-        raise ValueError(
-            f"lora_linear_4bit_fp8: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit x {tuple(x.shape)}"
-        )
-    if lora_a.dtype != x.dtype or lora_b.dtype != x.dtype:
-        raise TypeError(
-            f"lora_linear_4bit_fp8: A ({lora_a.dtype}) and B ({lora_b.dtype}) must be in x's dtype ({x.dtype})"
-        )
-    _check_storage(packed, absmax, code, blocksize, out_features * in_features)
-    if unread_sum_with is not None:
-        _check_unread(unread_sum_with, x, out_features)
-        fmt = check_grad_format(grad_format)
-        storage = (packed, absmax, code)
-        return UnreadSumFP8.apply(
-            unread_sum_with,
-            x,
-            lora_a,
-            lora_b,
-            float(scale),
-            fmt,
-            _lora_4bit_backward_op,
-            (int(blocksize),),
-            *storage,
-        )
-    rows = x.reshape(-1, in_features)
-    y, _ = call(
-        _lora_4bit_op, rows, packed, absmax, code, int(blocksize), lora_a, lora_b, float(scale),
-        check_grad_format(grad_format),
+        check_grad_format(grad_format), bool(overwrite_input),
     )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
 

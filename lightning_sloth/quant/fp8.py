@@ -25,7 +25,8 @@ from lightning_sloth.ops.fp8_formats import (
     dequantize_rows,
     quantize_rows,
 )
-from lightning_sloth.ops.fp8_lora import lora_linear_4bit_fp8, lora_linear_fp8, plain_fp8
+from lightning_sloth.ops.fp8_lora import lora_linear_fp8, plain_fp8
+from lightning_sloth.ops.fp8_qlora import lora_linear_4bit_fp8
 from lightning_sloth.ops.lora_layers import adapter_in
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
 from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped, compute_dtype, four_bit_storage
@@ -214,6 +215,7 @@ def lora_fp8_forward(
     lora_b: nn.Linear,
     scale: float,
     unread_sum_with: Tensor | None = None,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """``base(x) + scale * (x A^T) B^T`` for a :class:`LinearFP8` ``base``: the base product in FP8,
     the adapters in the compute dtype (autocast's, else x's; adapters stored otherwise are cast,
@@ -221,13 +223,16 @@ def lora_fp8_forward(
     into the FP8 GEMMs' outputs; a base with hooks of its own (or another forward) runs through the
     module, with the adapter's product added beside it. ``unread_sum_with``: a residual, for
     ``residual + y`` in a backward only (:class:`~lightning_sloth.ops.fp8_lora.UnreadSumFP8`; a plain
-    base without bias)."""
+    base without bias). ``overwrite_input``: the op's backward writes x's gradient into x's memory
+    (an x nothing reads afterwards; the plain base only)."""
     dtype = compute_dtype(x)
     x = x.to(dtype)
     lora_a, lora_b = adapter_in(lora_a.weight, dtype), adapter_in(lora_b.weight, dtype)
     if plain_fp8(base):
         unread = unread_sum_with if base.bias is None else None
-        y = lora_linear_fp8(x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format, unread)
+        y = lora_linear_fp8(
+            x, *base.fp8_weight(), lora_a, lora_b, scale, base.grad_format, unread, overwrite_input
+        )
         if unread is not None:
             return y
         y = y + base.bias.to(dtype) if base.bias is not None else y
@@ -244,10 +249,11 @@ def lora_4bit_fp8_storage(
     scale: float,
     grad_format: str,
     unread_sum_with: Tensor | None = None,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """``sloth::lora_linear_4bit_fp8`` on a :class:`~lightning_sloth.quant.linear.Packed4bit`: QLoRA
     with FP8 compute, the adapter's parts added into the FP8 products (x, A and B in one dtype);
-    ``unread_sum_with`` as :func:`~lightning_sloth.ops.fp8_lora.lora_linear_4bit_fp8`'s."""
+    ``unread_sum_with`` and ``overwrite_input`` as :func:`~lightning_sloth.ops.fp8_qlora.lora_linear_4bit_fp8`'s."""
     absmax, blocksize = storage.block_absmax(), storage.blocksize
     return lora_linear_4bit_fp8(
         x,
@@ -260,6 +266,7 @@ def lora_4bit_fp8_storage(
         scale,
         grad_format,
         unread_sum_with,
+        overwrite_input,
     )
 
 

@@ -31,8 +31,9 @@ def lora_4bit_forward(
     Args:
         module: a PEFT ``LoraLayer``.
         x: ``[..., in]`` input.
-        overwrite_input: on a 4-bit base, the backward writes x's gradient into x's memory (an x
-            nothing else reads afterwards; see :func:`~lightning_sloth.ops.nf4.lora_linear_4bit`).
+        overwrite_input: the backward writes x's gradient into x's memory (an x nothing else reads
+            afterwards; see :func:`~lightning_sloth.ops.nf4.lora_linear_4bit`), on a 4-bit base and
+            on a plain FP8 one (computed in FP8 or not).
         unread_sum_with: a residual ``[..., out]`` in the compute dtype: returns ``residual +
             module(x)`` for a backward only, its values never computed (a checkpoint's recompute);
             None where that does not apply (a base bias, an FP8 base with hooks, another shape).
@@ -71,7 +72,7 @@ def lora_4bit_forward(
             torch.float32,
         ):
             return None
-        return lora_fp8_forward(base, x, lora_a, lora_b, module.scaling[adapter], unread)
+        return lora_fp8_forward(base, x, lora_a, lora_b, module.scaling[adapter], unread, overwrite_input)
     storage = four_bit_storage(base)
     if storage is None:
         return None
@@ -89,6 +90,7 @@ def lora_4bit_forward(
             module.scaling[adapter],
             base.fp8_grad,
             unread,
+            overwrite_input,
         )
     else:
         y = linear_4bit(

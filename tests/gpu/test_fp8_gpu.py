@@ -170,6 +170,52 @@ def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients(kept):
         assert torch.equal(grads[name], g), name
 
 
+@pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
+def test_the_down_projection_writes_its_inputs_fp8_gradient_in_place(grad_format):
+    """On the FP8 tensor cores (``_scaled_mm(..., out=x)``), an 8B down projection's shapes: with
+    ``overwrite_input`` x's gradient lands in x's memory, bit for bit the one the plain backward
+    allocates, for FP8 bases and for NF4 storage with FP8 compute, and one ``[tokens, in]`` bf16
+    buffer fewer at the backward's peak."""
+    from lightning_sloth.ops.fp8_qlora import lora_linear_4bit_fp8
+    from lightning_sloth.quant import quantize_4bit
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    w = torch.randn(4096, 14336, device="cuda", generator=gen) * 0.01
+    codes, scale = quantize_rows(w, "e4m3")
+    q = quantize_4bit(w, "nf4")
+    four = (q.packed, q.block_absmax(), q.code, q.blocksize)
+    leaf = torch.randn(4096, 14336, device="cuda", generator=gen).bfloat16().requires_grad_()
+    a = (torch.randn(16, 14336, device="cuda", generator=gen) * 0.01).bfloat16().requires_grad_()
+    b = (torch.randn(4096, 16, device="cuda", generator=gen) * 0.01).bfloat16().requires_grad_()
+    dy = torch.randn(4096, 4096, device="cuda", generator=gen).bfloat16()
+    products = {
+        "fp8": lambda x, overwrite: lora_linear_fp8(
+            x, codes, scale, a, b, 0.5, grad_format, overwrite_input=overwrite
+        ),
+        "nf4_fp8": lambda x, overwrite: lora_linear_4bit_fp8(
+            x, *four, a, b, 0.5, grad_format, overwrite_input=overwrite
+        ),
+    }
+    for name, product in products.items():
+        results, peaks = [], []
+        for overwrite in (False, True):
+            x = leaf * 1  # a fresh intermediate, as the activation's output is
+            seen = []
+            x.register_hook(seen.append)
+            y = product(x, overwrite)
+            ptr = x.data_ptr()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            results.append(torch.autograd.grad(y, (leaf, a, b), dy))
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+            assert (seen[0].data_ptr() == ptr) is overwrite, name
+            del x, y, seen
+        for got, want in zip(results[1], results[0]):
+            assert torch.equal(got, want), name
+        assert peaks[0] - peaks[1] >= leaf.numel() * 2 * 0.95, (name, peaks)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("width", [53, 4096, 14336])
 def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
