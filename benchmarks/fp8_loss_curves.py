@@ -17,7 +17,8 @@ beside it (``seeds`` in the JSON).
 
 Tasks: ``default`` (the app's default run: LoRA on the packaged tiny base, synthetic task) and
 ``llama_1b`` (``experiment=llama_1b_bench``: the Llama-3.2-1B shape, random weights, 16k-token
-batches). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
+batches; validated once, at the end, on 128 documents: each validation generates every response,
+which at 512 documents takes longer than the 200 training steps). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
 k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8_bf16grad``;
 ``nf4`` and ``nf4_fp8`` (QLoRA, NF4 bases requantised to FP8) on request::
 
@@ -69,8 +70,10 @@ def overrides(task: str, variant: str, steps: int, run_dir: Path, seed: int | No
     compute mode: bf16-true for llama_1b, auto elsewhere), the seed if given, and a loss logged
     every step."""
     args = list(TASKS[task]) + list(VARIANTS[variant])
-    if task == "llama_1b" and variant != "bf16":
-        args.append("precision.precision=bf16_true")
+    if task == "llama_1b":
+        args += ["data.num_val=128", f"trainer.val_check_interval={steps}"]
+        if variant != "bf16":
+            args.append("precision.precision=bf16_true")
     if seed is not None:
         args.append(f"seed={seed}")
     return args + [
