@@ -146,3 +146,19 @@ def test_micro_batched_peer_steps_hold_the_packed_steps_documents_and_train_alik
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for one, accumulated in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
+
+
+def test_the_plan_for_the_whole_card_runs_with_expandable_segments(monkeypatch):
+    """``sloth_kernels_planned``'s fresh process sets the allocator's expandable segments before CUDA
+    starts (a user's own setting kept)."""
+    import os
+
+    from lightning_sloth.bench.systems import SUITE_SYSTEMS
+
+    preamble = SUITE_SYSTEMS["sloth_kernels_planned"].preamble
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    exec(preamble, {})
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    exec(preamble, {})
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"

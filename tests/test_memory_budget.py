@@ -1,6 +1,8 @@
 """What a step holds: the loss's tensors, the shared dequantisation buffer, the memory plan's
 workspace on 4-bit bases (counted by tensor sizes and fake budgets, never by time)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -251,3 +253,30 @@ def test_loss_keeps_every_row_when_few_are_ignored():
     targets[0, :20] = -100  # 24 ignored: the selection pays
     rows, kept = target_rows(hidden, targets, 616)
     assert rows.shape == (616, 8) and bool((kept != -100).all())
+
+
+def test_a_plan_for_the_whole_card_warns_once_without_expandable_segments(monkeypatch):
+    from lightning_sloth.offload import transient
+
+    settings = {"text": ""}
+    monkeypatch.setattr(
+        torch._C, "_accelerator_getAllocatorSettings", lambda: settings["text"], raising=False
+    )
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(transient, "_FRAGMENTATION_NOTED", [])
+    assert not transient.expandable_segments()
+    with pytest.warns(UserWarning, match="expandable_segments:True"):
+        transient.note_fragmentation()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transient.note_fragmentation()  # once per process
+    settings["text"] = "expandable_segments:True,max_split_size_mb:512"
+    assert transient.expandable_segments()
+    monkeypatch.setattr(transient, "_FRAGMENTATION_NOTED", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transient.note_fragmentation()
+    settings["text"] = ""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert transient.expandable_segments()

@@ -18,7 +18,8 @@ Loop systems (all with LoRA r=16 on the 7 projections and gradient checkpointing
     sloth_kernels_compile  + regional compile.
     sloth_kernels_offload  + activation offload (``offload="on"``).
     sloth_kernels_planned  + offload "auto" and ``memory_budget="auto"``: the per-layer
-                           keep/recompute/offload plan for what the device has free.
+                           keep/recompute/offload plan for what the device has free, the caching
+                           allocator in expandable segments (its process's preamble).
     sloth_kernels_no_checkpointing
                            kernels without gradient checkpointing (every activation kept).
     sloth_kernels_graphs   + CUDA graphs of each layer's forward and recompute + backward
@@ -252,6 +253,12 @@ def _sloth_fp8(
     return setup
 
 
+EXPANDABLE_SEGMENTS = (
+    "import os\nos.environ.setdefault('PYTORCH_CUDA_ALLOC_CONF', 'expandable_segments:True')\n"
+)
+"""The preamble of a plan for the whole card: the caching allocator's fragmentation, without
+expandable segments, can take more than the slack the plan leaves (``offload.transient.note_fragmentation``)."""
+
 SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "hf_padded": SuiteSystem("transformers + PEFT, SDPA, padded micro-batches of 8 (baseline)"),
     "hf_packed_sdpa": SuiteSystem("transformers + PEFT, packed rows, its own SDPA"),
@@ -299,7 +306,9 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_graphs": SuiteSystem("lightning_sloth + CUDA graphs of the layers (cuda_graphs=True)"),
     "sloth_kernels_offload_graphs": SuiteSystem("lightning_sloth + offload + CUDA graphs of the layers"),
     "sloth_kernels_planned": SuiteSystem(
-        'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto")'
+        'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto", '
+        "expandable segments)",
+        preamble=EXPANDABLE_SEGMENTS,
     ),
     "sloth_kernels_offload_single": SuiteSystem(
         "lightning_sloth + offload, single-buffered", _sloth_offload_single, packed_batches

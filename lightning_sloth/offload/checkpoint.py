@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_sloth.hf_model import find_decoder_layers, recorded_outputs, unwrap_compiled
 from lightning_sloth.offload.hooks import ActivationOffloader
 from lightning_sloth.offload.planner import LayerMode, plan_layers, plan_peak_bytes
-from lightning_sloth.offload.transient import backward_transient_bytes
+from lightning_sloth.offload.transient import backward_transient_bytes, note_fragmentation
 from lightning_sloth.ops.lora_groups import grouped_projections, shared_input_groups
 from lightning_sloth.ops.lora_layers import adapter_casts
 from lightning_sloth.ops.nf4 import scratch_bytes
@@ -449,6 +449,7 @@ class CheckpointedLayers:
         device = next((t.device for t in _tensors(args)), None)
         if device is None or device.type != "cuda":
             return None
+        note_fragmentation()
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         # The 4-bit layers' dequantisation buffer is made in the first forward, after this count.

@@ -14,10 +14,16 @@ to read, and the plan is made on CUDA only unless a byte budget is given. It als
 process group of more than one rank: there a layer's backward may run the data-parallel engine's
 hooks (FSDP2's gathers, its end-of-backward callback) in the middle of the forward, so the
 measurement is not made and the plan counts the saved activations alone, as before.
+
+:func:`note_fragmentation`: a plan for the whole card (``memory_budget="auto"``) warns once where
+the caching allocator runs without expandable segments, whose fragmentation can outgrow the slack
+the plan leaves.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -49,3 +55,32 @@ def backward_transient_bytes(output: Any, layer: nn.Module, args: tuple, device:
     torch.cuda.reset_peak_memory_stats(device)
     torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
     return max(0, torch.cuda.max_memory_allocated(device) - base)
+
+
+def expandable_segments() -> bool:
+    """Whether the caching allocator maps memory in expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, or set at run time)."""
+    settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    text = settings() if settings is not None else ""
+    if not text:
+        text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in text.replace(" ", "").lower()
+
+
+_FRAGMENTATION_NOTED: list[bool] = []
+
+
+def note_fragmentation() -> None:
+    """Warn once per process that a plan for the whole card (``memory_budget="auto"``) leaves a tenth
+    of the device for the loss and the allocator's slack, which the caching allocator's fragmentation
+    can exceed without expandable segments (measured: Gemma 4's 31B layers at 18 layers, 16k tokens,
+    H100, ran out of memory with 4.5 GiB reserved but unallocated, and fit at 70.4 GiB with them)."""
+    if _FRAGMENTATION_NOTED or expandable_segments():
+        return
+    _FRAGMENTATION_NOTED.append(True)
+    warnings.warn(
+        'memory_budget="auto" plans the layers to fill the device; without expandable segments the '
+        "caching allocator's fragmentation can take more than the slack the plan leaves. Start the "
+        "process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (before CUDA is initialised).",
+        stacklevel=3,
+    )

@@ -174,8 +174,9 @@ def test_the_recompute_skips_the_fp8_down_product_with_the_same_gradients(kept):
 def test_the_down_projection_writes_its_inputs_fp8_gradient_in_place(grad_format):
     """On the FP8 tensor cores (``_scaled_mm(..., out=x)``), an 8B down projection's shapes: with
     ``overwrite_input`` x's gradient lands in x's memory, bit for bit the one the plain backward
-    allocates, for FP8 bases and for NF4 storage with FP8 compute, and one ``[tokens, in]`` bf16
-    buffer fewer at the backward's peak."""
+    allocates, for FP8 bases and for NF4 storage with FP8 compute; with FP8 input gradients one
+    ``[tokens, in]`` bf16 buffer fewer at the backward's peak (measured: the bf16 input gradient's
+    peak is its dequantised weight's, 470 MB either way)."""
     from lightning_sloth.ops.fp8_qlora import lora_linear_4bit_fp8
     from lightning_sloth.quant import quantize_4bit
 
@@ -213,7 +214,12 @@ def test_the_down_projection_writes_its_inputs_fp8_gradient_in_place(grad_format
             del x, y, seen
         for got, want in zip(results[1], results[0]):
             assert torch.equal(got, want), name
-        assert peaks[0] - peaks[1] >= leaf.numel() * 2 * 0.95, (name, peaks)
+        if grad_format == "bf16":
+            # the weight dequantised to bf16 (its float32 product first) is the op's peak: the buffer
+            # saved lies below it, so the peak is only no higher
+            assert peaks[1] <= peaks[0], (name, peaks)
+        else:
+            assert peaks[0] - peaks[1] >= leaf.numel() * 2 * 0.95, (name, peaks)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
