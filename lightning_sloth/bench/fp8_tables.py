@@ -89,20 +89,21 @@ def render_fp8_loss(reports: list[dict], sources: list[str], params: dict) -> st
         for variant, run in report["results"].items():
             cmp = report.get("against_baseline", {}).get(variant)
             loss = f"{_over_seeds(run, 'final_train_loss'):.4f}"
-            match = f"{_over_seeds(run, 'val_exact_match'):.3f}"
+            match = num(_over_seeds(run, "val_exact_match"), ".3f")  # none: a run without validation
             targets = seeds = DASH
             if "seeds" in run:
                 seeds = f"{len(run['seeds'])} seeds"
             if cmp is not None:
                 loss += f" ({cmp['final_loss_relative']:+.1%})"
-                match += f" ({cmp['exact_match_change']:+.3f})"
-                yes = {True: "yes", False: "**no**"}
+                if cmp["exact_match_change"] is not None:
+                    match += f" ({cmp['exact_match_change']:+.3f})"
+                yes = {True: "yes", False: "**no**", None: DASH}
                 targets = f"{yes[cmp['loss_within_1pct']]} / {yes[cmp['exact_match_within_0_02']]}"
                 if "per_seed_final_loss_relative" in cmp:
                     each = ", ".join(f"{v:+.1%}" for v in cmp["per_seed_final_loss_relative"].values())
                     seeds = f"{cmp['seeds']} seeds: {each}; ±{cmp['baseline_seed_spread']:.1%}"
             lines.append(
-                f"| {task} | {variant} | {loss} | {_over_seeds(run, 'val_loss'):.4f} | {match} "
+                f"| {task} | {variant} | {loss} | {num(_over_seeds(run, 'val_loss'), '.4f')} | {match} "
                 f"| {num(_median_over_seeds(run, 'real_tokens_per_s'), ',.0f')} | {seeds} | {targets} |"
             )
     caption = "Generated from " + ", ".join(f"`{s}`" for s in sources)
