@@ -146,3 +146,51 @@ def test_the_down_projection_writes_its_inputs_gradient_in_place_in_a_model(base
     assert grads.keys() == want_grads.keys() and grads
     for name, grad in want_grads.items():
         assert torch.equal(grads[name], grad), name
+
+
+def test_the_4bit_input_gradient_lets_the_row_major_codes_go_before_quantising_dy(monkeypatch):
+    """On the FP8 tensor cores (faked here: ``_scaled_mm`` as its float32 product, the byte transpose
+    as torch's), the 4-bit input gradient transposes the decoded weight's codes and drops the
+    row-major ones before dy is quantised, and gives what the FP8-base product gives over the same
+    codes, into ``out`` too."""
+    import types
+    import weakref
+
+    from lightning_sloth.ops import fp8
+
+    alive = []
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
+        y = ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+        return y if out is None else out.copy_(y)
+
+    made = []
+    real_from_4bit, real_quantize = fp8.fp8_from_4bit, fp8.quantize_activation
+
+    def tracking_from_4bit(*args):
+        codes, scale = real_from_4bit(*args)
+        made.append(weakref.ref(codes))
+        return codes, scale
+
+    def tracking_quantize(t, fmt, col_scale=None):
+        if col_scale is not None:  # dy's quantisation (W's scales folded in), not the weight's
+            alive.append([ref() is not None for ref in made])
+        return real_quantize(t, fmt, col_scale)
+
+    monkeypatch.setattr(fp8, "_grad_runs_scaled_mm", lambda dy, w, fmt: fmt != "bf16")
+    monkeypatch.setattr(
+        fp8, "_kernels", types.SimpleNamespace(transpose_bytes=lambda w: w.t().contiguous()), raising=False
+    )
+    monkeypatch.setattr(fp8, "fp8_from_4bit", tracking_from_4bit)
+    monkeypatch.setattr(fp8, "quantize_activation", tracking_quantize)
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    gen = torch.Generator().manual_seed(2)
+    q = quantize_4bit(torch.randn(48, 64, generator=gen) * 0.1, "nf4")
+    four = (q.packed, q.block_absmax(), q.code, q.blocksize)
+    dy = torch.randn(9, 48, generator=gen)
+    got = fp8.fp8_grad_product_4bit(dy, *four, 64, "e4m3")
+    assert alive == [[False]]  # dy quantised once, the row-major codes already gone
+    codes, scale = real_from_4bit(*four, (48, 64))
+    assert torch.equal(got, fp8.fp8_grad_product(dy, codes, scale, "e4m3"))
+    out = torch.empty(9, 64)
+    assert fp8.fp8_grad_product_4bit(dy, *four, 64, "e4m3", out) is out and torch.equal(out, got)

@@ -65,6 +65,7 @@ __all__ = [
     "check_fp8_operands",
     "fp8_from_4bit",
     "fp8_grad_product",
+    "fp8_grad_product_4bit",
     "fp8_product",
     "linear_4bit_fp8",
     "linear_fp8",
@@ -124,25 +125,56 @@ def fp8_product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     return fp8_linear_reference(x, weight, weight_scale)
 
 
+def _grad_runs_scaled_mm(dy: Tensor, weight: Tensor, grad_format: str) -> bool:
+    return grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0
+
+
+def _grad_scaled_mm(dy: Tensor, w_col: Tensor, weight_scale: Tensor, grad_format: str, out: Tensor | None):
+    """``dy W`` on the FP8 tensor cores, ``w_col`` W's codes column-major (``[N, K]``, a transposed
+    copy's view): dy quantised per row with W's scales folded into its columns."""
+    qg, sg = quantize_activation(dy, grad_format, weight_scale.view(-1))
+    ones = _unit_scales(w_col.shape[1], dy.device)
+    if out is not None:
+        return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype, out=out)
+    return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+
+
 def fp8_grad_product(
     dy: Tensor, weight: Tensor, weight_scale: Tensor, grad_format: str, out: Tensor | None = None
 ) -> Tensor:
     """``dy W`` for e4m3 ``W`` (see the module notes); written into ``out`` (``[M, K]``, dy's dtype,
     contiguous) where given, and returned."""
-    if grad_format != "bf16" and scaled_mm_applies(dy, weight.shape[1]) and weight.shape[0] % 16 == 0:
-        qg, sg = quantize_activation(dy, grad_format, weight_scale.view(-1))
-        ones = _unit_scales(weight.shape[1], dy.device)
+    if _grad_runs_scaled_mm(dy, weight, grad_format):
         # _scaled_mm wants its second operand column-major: a transposed copy of the codes (N*K bytes),
         # made in tiles (torch's strided copy of one-byte elements runs at a fraction of the bandwidth).
-        w_col = _kernels.transpose_bytes(weight).t()
-        if out is not None:
-            return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype, out=out)
-        return torch._scaled_mm(qg, w_col, scale_a=sg, scale_b=ones, out_dtype=dy.dtype)
+        return _grad_scaled_mm(dy, _kernels.transpose_bytes(weight).t(), weight_scale, grad_format, out)
     if grad_format == "bf16" and dy.device.type == "cuda":
         weight = dequantize_rows(weight, weight_scale, dy.dtype)
         return torch.mm(dy, weight) if out is None else torch.mm(dy, weight, out=out)
     dx = fp8_linear_grad_reference(dy, weight, weight_scale, grad_format)
     return dx if out is None else out.copy_(dx)
+
+
+def fp8_grad_product_4bit(
+    dy: Tensor,
+    packed: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    blocksize: int,
+    k: int,
+    grad_format: str,
+    out: Tensor | None = None,
+) -> Tensor:
+    """:func:`fp8_grad_product` for a 4-bit ``W [N, k]`` (``N = dy.shape[1]``), decoded and quantised
+    to e4m3 as :func:`fp8_from_4bit` does. On the FP8 tensor cores the row-major codes are let go
+    once their transposed copy is made, before dy is quantised: the two copies of the codes and dy's
+    are never alive at once (one ``N * k``-byte buffer less at the op's peak)."""
+    codes, scale = fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k))
+    if _grad_runs_scaled_mm(dy, codes, grad_format):
+        w_col = _kernels.transpose_bytes(codes).t()
+        del codes
+        return _grad_scaled_mm(dy, w_col, scale, grad_format, out)
+    return fp8_grad_product(dy, codes, scale, grad_format, out)
 
 
 @sloth_op("linear_fp8")
@@ -274,9 +306,7 @@ def _grad_4bit_op(
     dy: Tensor, packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, k: int, grad_format: str
 ) -> Tensor:
     """``dy [M, N] @ W`` for the 4-bit ``W [N, k]``, computed in FP8 (``grad_format`` for dy)."""
-    return fp8_grad_product(
-        dy, *fp8_from_4bit(packed, absmax, code, blocksize, (dy.shape[1], k)), grad_format
-    )
+    return fp8_grad_product_4bit(dy, packed, absmax, code, blocksize, k, grad_format)
 
 
 @_grad_4bit_op.register_fake

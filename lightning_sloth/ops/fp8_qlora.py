@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops.fp8 import fp8_from_4bit, fp8_grad_product, fp8_product
+from lightning_sloth.ops.fp8 import fp8_from_4bit, fp8_grad_product_4bit, fp8_product
 from lightning_sloth.ops.fp8_formats import check_grad_format
 from lightning_sloth.ops.fp8_lora import (
     UnreadSumFP8,
@@ -83,10 +83,9 @@ def _lora_4bit_backward_op(
     grad_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dA, dB)`` of :func:`_lora_4bit_op` (empty where not asked for), the weight decoded again."""
-    shape = (grad_y.shape[1], x.shape[1])
     return lora_grads(
         grad_y, x, xa, lora_a, lora_b, scale, (grad_x, grad_a, grad_b),
-        lambda: fp8_grad_product(grad_y, *fp8_from_4bit(packed, absmax, code, blocksize, shape), grad_format),
+        lambda: fp8_grad_product_4bit(grad_y, packed, absmax, code, blocksize, x.shape[1], grad_format),
     )  # fmt: skip
 
 
@@ -115,12 +114,9 @@ def _lora_4bit_backward_inplace_op(
 ) -> tuple[Tensor, Tensor]:
     """:func:`_lora_4bit_backward_op` writing ``dx`` into x (after ``dA`` has read it): the same
     products in the same order. Returns ``(dA, dB)``."""
-    shape = (grad_y.shape[1], x.shape[1])
     return lora_grads_into(
         grad_y, x, xa, lora_a, lora_b, scale, grad_a, grad_b,
-        lambda out: fp8_grad_product(
-            grad_y, *fp8_from_4bit(packed, absmax, code, blocksize, shape), grad_format, out
-        ),
+        lambda out: fp8_grad_product_4bit(grad_y, packed, absmax, code, blocksize, x.shape[1], grad_format, out),
     )  # fmt: skip
 
 
