@@ -80,7 +80,9 @@ def test_the_kernel_table_sums_each_kernels_gpu_time_and_calls():
     from lightning_sloth.bench.measure import gpu_kernel_table
 
     def event(name, start, end, device=torch.autograd.DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
 
     events = [
         event("gemm", 0, 1000),
@@ -162,3 +164,39 @@ def test_the_plan_for_the_whole_card_runs_with_expandable_segments(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
     exec(preamble, {})
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+
+
+def test_every_system_and_unsloth_train_the_same_lora_targets(monkeypatch, tmp_path):
+    """Unsloth beside the others adapts the same layers (and a MoE shape's expert parameters): the
+    targets come from one place, ``workload.lora_targets``."""
+    import sys
+    import types
+
+    from lightning_sloth.bench import peers
+    from lightning_sloth.bench.workload import MOE_LORA, lora_targets
+
+    seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert lora_targets(Workload(shape="tiny")) == {"target_modules": seven}
+    assert lora_targets(Workload(shape="tiny_moe")) == {k: list(v) for k, v in MOE_LORA.items()}
+    seen = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(path), None
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            seen.update(kwargs)
+            return model
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    monkeypatch.setattr(peers.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    for shape in ("tiny", "tiny_moe"):
+        seen.clear()
+        workload = Workload(shape=shape, tokens_per_step=256, median_len=40, min_len=8, max_len=128)
+        peers.unsloth(workload)
+        assert {k: seen[k] for k in lora_targets(workload)} == lora_targets(workload)
+        assert seen["use_gradient_checkpointing"] == "unsloth"

@@ -21,6 +21,7 @@ from lightning_sloth.bench.workload import (
     Workload,
     build_base_model,
     build_model,
+    lora_targets,
     packed_batches,
     quantized_base_model,
 )
@@ -77,7 +78,7 @@ def unsloth(workload: Workload):
         lora_alpha=2 * workload.lora_r,
         lora_dropout=0.0,
         bias="none",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        **lora_targets(workload),  # the same layers (and MoE expert parameters) as every system
         use_gradient_checkpointing="unsloth",
         random_state=workload.seed,
     )

@@ -354,6 +354,15 @@ def build_base_model(workload: Workload, attn: str):
         )
 
 
+def lora_targets(workload: Workload) -> dict:
+    """The workload's LoRA targets, for every system alike: a scenario's own ``lora:`` entry where it
+    has one, else a MoE shape's attention and experts, else the seven projections."""
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    moe = SHAPE_FAMILIES.get(workload.shape) in MOE_FAMILIES
+    targets = SHAPE_LORA.get(workload.shape) or (MOE_LORA if moe else {"target_modules": projections})
+    return {key: list(value) for key, value in targets.items()}
+
+
 def build_model(workload: Workload, attn: str, checkpointing: bool = True, base=None):
     """A random-weight model of the workload's shape in bf16, with PEFT LoRA on all projections (a MoE
     shape: attention and experts; a scenario's ``lora:`` targets where it has them); ``base`` (e.g.
@@ -361,10 +370,9 @@ def build_model(workload: Workload, attn: str, checkpointing: bool = True, base=
     from peft import LoraConfig, get_peft_model
 
     model = build_base_model(workload, attn) if base is None else base
-    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    moe = SHAPE_FAMILIES.get(workload.shape) in MOE_FAMILIES
-    targets = SHAPE_LORA.get(workload.shape) or (MOE_LORA if moe else {"target_modules": projections})
-    lora = LoraConfig(r=workload.lora_r, lora_alpha=2 * workload.lora_r, **targets, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=workload.lora_r, lora_alpha=2 * workload.lora_r, **lora_targets(workload), task_type="CAUSAL_LM"
+    )
     model = get_peft_model(model, lora)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
