@@ -194,3 +194,56 @@ def test_the_4bit_input_gradient_lets_the_row_major_codes_go_before_quantising_d
     assert torch.equal(got, fp8.fp8_grad_product(dy, codes, scale, "e4m3"))
     out = torch.empty(9, 64)
     assert fp8.fp8_grad_product_4bit(dy, *four, 64, "e4m3", out) is out and torch.equal(out, got)
+
+
+def test_a_block_over_fp8_bases_compiles_to_one_graph_with_the_in_place_backward():
+    """A patched decoder block over FP8 bases under ``torch.compile`` (fullgraph, aot_eager): no graph
+    break, the FP8 LoRA op in the graph, the down projection's in-place backward run, and the
+    output and every gradient equal to eager's."""
+    import test_patching as tp
+    from test_compile import forward_backward
+    from torch._dynamo.backends.common import aot_autograd
+
+    from lightning_sloth.patching import apply_kernels
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    try:
+        model = tp.lora(tp.tiny_model("llama"))
+        fp8_base_model(model, grad_format="e4m3")
+        apply_kernels(model)
+        base = model.get_base_model()
+        gen = torch.Generator().manual_seed(2)
+        hidden = torch.randn(2, 12, 64, generator=gen)
+        positions = torch.arange(12).expand(2, -1)
+        kwargs = dict(
+            attention_mask=None,
+            position_ids=positions,
+            position_embeddings=base.model.rotary_emb(hidden, positions),
+        )
+        block = base.model.layers[0]
+        explained = torch._dynamo.explain(block)(hidden, **kwargs)
+        assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+        assert "sloth.lora_linear_fp8" in explained.graphs[0].code
+        grad_out = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(3))
+        expected = forward_backward(block, hidden, kwargs, grad_out)
+        torch._dynamo.reset()
+        backward_graphs = []
+
+        def keep_backward(graph, _inputs):
+            backward_graphs.append(graph.code)
+            return graph
+
+        backend = aot_autograd(fw_compiler=lambda graph, _inputs: graph, bw_compiler=keep_backward)
+        compiled = torch.compile(block, fullgraph=True, backend=backend)
+        actual = forward_backward(block, hidden, kwargs, grad_out, call=compiled)
+        (code,) = backward_graphs  # the down projection's gradient written into its input
+        assert code.count("sloth.lora_linear_fp8_backward_") == 1, code
+        torch.testing.assert_close(actual[:2], expected[:2], rtol=0, atol=0)
+        assert actual[2].keys() == expected[2].keys() and actual[2]
+        for name, grad in expected[2].items():
+            torch.testing.assert_close(actual[2][name], grad, rtol=0, atol=0, msg=name)
+    finally:
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
