@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import add_lora, random_documents, tiny_llama
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_quant_training import _OpNames  # the ops dispatched in a block
 
 from lightning_sloth.data import PackedCollator
 from lightning_sloth.ops.fp8_formats import quantize_rows
@@ -98,17 +98,6 @@ def test_the_in_place_backward_ops_pass_opcheck():
     torch.library.opcheck(
         torch.ops.sloth.lora_linear_4bit_fp8.default, (xs, *four, as_, bs, 0.5, "e4m3", True)
     )
-
-
-class _OpNames(TorchDispatchMode):
-    def __enter__(self):
-        self.names = []
-        super().__enter__()
-        return self.names
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("base", ["fp8", "nf4_fp8"])

@@ -73,7 +73,6 @@ class UnreadSumFP8(torch.autograd.Function):
         if any(need[8:]):
             raise RuntimeError("lightning_sloth: the FP8 / 4-bit base weight is frozen; it has no gradient")
         grad_y = (grad if grad.dtype == rows.dtype else grad.to(rows.dtype)).reshape(-1, lora_b.shape[0])
-        op, inplace_op = ctx.ops
         args = (
             grad_y.contiguous(),
             rows,
@@ -85,13 +84,9 @@ class UnreadSumFP8(torch.autograd.Function):
             ctx.scale,
             ctx.grad_format,
         )
-        if inplace_op is not None and need[1]:
-            da, db = call(inplace_op, *args, need[2], need[3])
-            dx = rows.view(ctx.x_shape)  # x's gradient, where x was (rows is x's memory, or its copy)
-        else:
-            dx, da, db = call(op, *args, need[1], need[2], need[3])
-            dx = dx.view(ctx.x_shape) if need[1] else None
-        da, db = (da if need[2] else None), (db if need[3] else None)
+        dx, da, db = input_grads(ctx.ops, args, need[1], need[2], need[3])
+        # x's gradient in x's shape (overwritten: where x was, rows being x's memory or its copy)
+        dx = dx.view(ctx.x_shape) if dx is not None else None
         return grad if need[0] else None, dx, da, db, None, None, None, None, *([None] * len(storage))
 
 
@@ -116,34 +111,44 @@ def lora_outputs(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, base) 
 def lora_grads(grad_y, x, xa, lora_a, lora_b, scale: float, needed: tuple[bool, bool, bool], base_dx):
     """``(dx, dA, dB)``, empty where not ``needed``: ``dx = base_dx() + (scale dy B) A`` with the
     adapter's part added into the FP8 input-gradient product's output (``base_dx``: ``dy W``, called
-    only where x's gradient is asked for and there are rows)."""
+    only where x's gradient is asked for and there are rows, after ``dA`` has read x: it may write
+    into x, :func:`lora_grads_into`)."""
     grad_x, grad_a, grad_b = needed
     g = (grad_y @ lora_b) * scale if (grad_x or grad_a) else None
+    da = g.t() @ x if grad_a else x.new_empty(0)
+    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
     dx = x.new_empty(0)
     if grad_x:
         dx = base_dx() if grad_y.shape[0] else x.new_zeros(0, x.shape[1])
         if lora_a.shape[0]:
             dx.addmm_(g, lora_a)
-    da = g.t() @ x if grad_a else x.new_empty(0)
-    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
     return dx, da, db
 
 
 def lora_grads_into(grad_y, x, xa, lora_a, lora_b, scale: float, grad_a: bool, grad_b: bool, base_dx_into):
     """``(dA, dB)`` (empty where not asked for) with x's gradient written into x's memory:
-    :func:`lora_grads`' products in the same order, ``dA`` reading x before ``base_dx_into(out)``
-    (``dy W`` written into ``out``: x itself where x is contiguous, else None and returned) lands
-    there."""
-    g = (grad_y @ lora_b) * scale
-    da = g.t() @ x if grad_a else x.new_empty(0)
-    db = grad_y.t() @ (xa * scale) if grad_b else x.new_empty(0)
-    if grad_y.shape[0]:
-        dx = base_dx_into(x if x.is_contiguous() else None)
-        if lora_a.shape[0]:
-            dx.addmm_(g, lora_a)
-        if dx is not x:
-            x.copy_(dx)
+    :func:`lora_grads`' products, ``base_dx_into(out)`` writing ``dy W`` into ``out`` (x itself where
+    x is contiguous, else None, and the product is copied in)."""
+    out = x if x.is_contiguous() else None
+    dx, da, db = lora_grads(
+        grad_y, x, xa, lora_a, lora_b, scale, (True, grad_a, grad_b), lambda: base_dx_into(out)
+    )
+    if dx is not x:
+        x.copy_(dx)
     return da, db
+
+
+def input_grads(ops: tuple, args: tuple, need_x: bool, need_a: bool, need_b: bool):
+    """``(dx, dA, dB)``, None where not needed, from a backward op's ``args`` (``grad_y, x, ...``
+    without the three needs): ``ops`` = ``(backward op, in-place backward op or None)``; the in-place
+    one (x's gradient written into x, returned as dx) where given and x's gradient is asked for."""
+    op, inplace_op = ops
+    if inplace_op is not None and need_x:
+        da, db = call(inplace_op, *args, need_a, need_b)
+        dx = args[1]
+    else:
+        dx, da, db = call(op, *args, need_x, need_a, need_b)
+    return (dx if need_x else None), (da if need_a else None), (db if need_b else None)
 
 
 def grads_fake(x, lora_a, lora_b, grad_x: bool, grad_a: bool, grad_b: bool):
@@ -252,12 +257,8 @@ def _lora_backward(ctx, grad_y, _grad_xa):
         raise RuntimeError("sloth::lora_linear_fp8: the FP8 base weight is frozen; it has no gradient")
     x, xa, weight_bits, weight_scale, lora_a, lora_b = ctx.saved_tensors
     args = (grad_y.contiguous(), x, xa, weight_bits, weight_scale, lora_a, lora_b, ctx.scale, ctx.grad_format)
-    if ctx.overwrite_input and need[0]:
-        da, db = call(_lora_backward_inplace_op, *args, need[3], need[4])
-        dx = x
-    else:
-        dx, da, db = call(_lora_backward_op, *args, need[0], need[3], need[4])
-    dx, da, db = (dx if need[0] else None), (da if need[3] else None), (db if need[4] else None)
+    ops = (_lora_backward_op, _lora_backward_inplace_op if ctx.overwrite_input else None)
+    dx, da, db = input_grads(ops, args, need[0], need[3], need[4])
     return dx, None, None, da, db, None, None, None
 
 

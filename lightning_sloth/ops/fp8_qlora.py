@@ -20,6 +20,7 @@ from lightning_sloth.ops.fp8_lora import (
     UnreadSumFP8,
     check_unread,
     grads_fake,
+    input_grads,
     lora_backward_flops,
     lora_forward_flops,
     lora_grads,
@@ -140,13 +141,21 @@ def _lora_4bit_backward(ctx, grad_y, _grad_xa):
     if any(need[1:4]):
         raise RuntimeError("sloth::lora_linear_4bit_fp8: the 4-bit base weight is frozen; it has no gradient")
     x, xa, packed, absmax, code, lora_a, lora_b = ctx.saved_tensors
-    args = (grad_y.contiguous(), x, xa, packed, absmax, code, ctx.blocksize, lora_a, lora_b, ctx.scale)
-    if ctx.overwrite_input and need[0]:
-        da, db = call(_lora_4bit_backward_inplace_op, *args, ctx.grad_format, need[5], need[6])
-        dx = x
-    else:
-        dx, da, db = call(_lora_4bit_backward_op, *args, ctx.grad_format, need[0], need[5], need[6])
-    dx, da, db = (dx if need[0] else None), (da if need[5] else None), (db if need[6] else None)
+    args = (
+        grad_y.contiguous(),
+        x,
+        xa,
+        packed,
+        absmax,
+        code,
+        ctx.blocksize,
+        lora_a,
+        lora_b,
+        ctx.scale,
+        ctx.grad_format,
+    )
+    ops = (_lora_4bit_backward_op, _lora_4bit_backward_inplace_op if ctx.overwrite_input else None)
+    dx, da, db = input_grads(ops, args, need[0], need[5], need[6])
     return dx, None, None, None, None, da, db, None, None, None
 
 
