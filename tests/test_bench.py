@@ -97,6 +97,29 @@ def test_the_kernel_table_sums_each_kernels_gpu_time_and_calls():
     assert gpu_kernel_table(events, top=1) == table[:1]
 
 
+def test_the_copy_table_names_the_operators_around_each_device_copy():
+    from types import SimpleNamespace
+
+    from lightning_sloth.bench.measure import copy_launchers
+
+    cpu = torch.autograd.DeviceType.CPU
+    outer = SimpleNamespace(name="sloth::op", cpu_parent=None, input_shapes=[], device_type=cpu)
+    inner = SimpleNamespace(
+        name="aten::copy_", cpu_parent=outer, input_shapes=[[4, 8], [4, 8]], device_type=cpu
+    )
+    events = [
+        SimpleNamespace(name="cudaMemcpyAsync", cpu_parent=inner, device_type=cpu),
+        SimpleNamespace(name="cudaMemcpyAsync", cpu_parent=inner, device_type=cpu),
+        SimpleNamespace(name="cudaMemcpyAsync", cpu_parent=None, device_type=cpu),
+        SimpleNamespace(name="cudaLaunchKernel", cpu_parent=inner, device_type=cpu),
+        SimpleNamespace(name="cudaMemcpyAsync", cpu_parent=None, device_type=torch.autograd.DeviceType.CUDA),
+    ]
+    assert copy_launchers(events) == [
+        {"chain": "sloth::op > aten::copy_ [[4, 8], [4, 8]]", "calls": 2},
+        {"chain": "(no operator)", "calls": 1},
+    ]
+
+
 def test_micro_batched_peer_steps_hold_the_packed_steps_documents_and_train_alike():
     """``hf_packed_varlen_microN``: the same documents per optimizer step as the one-row step, split
     into N packed rows whose accumulated loss and gradients equal the one row's (float32, CPU)."""

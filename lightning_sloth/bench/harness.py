@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from lightning_sloth.bench.measure import (
+    copy_launchers,
     environment,
     forward_backward,
     gpu_busy_ms,
@@ -91,6 +92,9 @@ def run_system(
                 fh.write(f"{'GPU ms':>9} {'calls':>6}  kernel or copy\n")
                 for row in gpu_kernel_table(profiler.events(), top=40):
                     fh.write(f"{row['ms']:9.1f} {row['calls']:6d}  {row['name']}\n")
+                fh.write("\nDevice copies (cudaMemcpyAsync) by the operators around them:\n")
+                for row in copy_launchers(profiler.events()):
+                    fh.write(f"{row['calls']:6d}  {row['chain']}\n")
                 # Which operators (and input shapes) launched them: copies and casts show up here.
                 fh.write("\nOperators by input shape, by the GPU time they launched:\n")
                 by_shape = profiler.key_averages(group_by_input_shape=True)

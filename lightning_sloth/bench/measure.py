@@ -236,6 +236,30 @@ def gpu_kernel_table(events, top: int = 25) -> list[dict]:
     return [{"name": name, "ms": round(ms, 3), "calls": calls} for name, (ms, calls) in ranked]
 
 
+def copy_launchers(events, top: int = 15) -> list[dict]:
+    """Who issued a profiled step's device copies: for every ``cudaMemcpyAsync`` call, the chain of
+    operators around it (outermost first, up to four, with the innermost one's input shapes),
+    counted: ``{"chain", "calls"}`` each, most calls first (a ``Memcpy DtoD`` in the kernel table
+    names no operator)."""
+    counts: dict[str, int] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name != "cudaMemcpyAsync":
+            continue
+        chain, parent = [], getattr(e, "cpu_parent", None)
+        while parent is not None:
+            chain.append(parent)
+            parent = getattr(parent, "cpu_parent", None)
+        if not chain:
+            key = "(no operator)"
+        else:
+            shapes = getattr(chain[0], "input_shapes", None)
+            names = [p.name for p in reversed(chain[:4])]
+            key = " > ".join(names) + (f" {shapes}" if shapes else "")
+        counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+    return [{"chain": chain, "calls": calls} for chain, calls in ranked]
+
+
 def memory_plan_record(report) -> dict:
     """The layer plan and offload counters of a sloth system, for the result record."""
     out: dict = {}
