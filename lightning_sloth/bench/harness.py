@@ -200,3 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"estimated activation peak {r.get('plan_estimated_activation_gib', float('nan')):.2f} GiB"
             )
     return report
+
+
+if __name__ == "__main__":
+    main()
