@@ -164,3 +164,189 @@ def glu_backward(
         BLOCK=_BLOCK,
     )
     return grad_gate, grad_up
+
+
+# ----------------------------------------------------------------- the activation with gate and up's LoRA
+# ``act(gate + s_g (xa_g B_g^T)) * (up + s_u (xa_u B_u^T))``: gate and up are the base products only,
+# the adapters' low-rank parts are added tile by tile inside the kernel (one small dot each) instead
+# of being added into the two [rows, I] outputs by their own read-modify-write passes.
+
+
+@triton.jit
+def _lora_tile(
+    XA, B, rows, cols, n_rows, n_cols, rank, stride_xa, stride_b, RANK_BLOCK: tl.constexpr, IEEE: tl.constexpr
+):
+    ks = tl.arange(0, RANK_BLOCK)
+    xa = tl.load(
+        XA + rows[:, None] * stride_xa + ks[None, :],
+        mask=(rows[:, None] < n_rows) & (ks[None, :] < rank),
+        other=0.0,
+    )
+    b = tl.load(
+        B + cols[:, None] * stride_b + ks[None, :],
+        mask=(cols[:, None] < n_cols) & (ks[None, :] < rank),
+        other=0.0,
+    )
+    if IEEE:
+        return tl.dot(xa, tl.trans(b), input_precision="ieee")
+    return tl.dot(xa, tl.trans(b))
+
+
+@triton.jit
+def _glu_lora_values(
+    GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
+    stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    lora_g = _lora_tile(
+        XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate, RANK_GATE, IEEE
+    )
+    lora_u = _lora_tile(
+        XA + rank_gate, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up, RANK_UP, IEEE
+    )
+    return g + lora_g * scale_gate, u + lora_u * scale_up, mask
+
+
+@triton.jit
+def _glu_lora_forward_kernel(
+    GATE, UP, OUT, XA, B_GATE, B_UP, n_rows, n_cols, rank_gate, rank_up,
+    stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g, u, mask = _glu_lora_values(
+        GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
+        stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
+        RANK_GATE, RANK_UP, IEEE,
+    )  # fmt: skip
+    act, _ = _activation_and_derivative(g, ACTIVATION)
+    tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (act * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_lora_backward_kernel(
+    GRAD_OUT, GATE, UP, GRAD_GATE, GRAD_UP, XA, B_GATE, B_UP, n_rows, n_cols, rank_gate, rank_up,
+    stride_grad, stride_gate, stride_up, stride_grad_gate, stride_grad_up, stride_xa, stride_b_gate,
+    stride_b_up, scale_gate, scale_up,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Each tile is read before it is written and by the same program: GRAD_GATE/GRAD_UP may be
+    # GATE/UP themselves (the in-place backward).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g, u, mask = _glu_lora_values(
+        GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
+        stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
+        RANK_GATE, RANK_UP, IEEE,
+    )  # fmt: skip
+    dy = tl.load(GRAD_OUT + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act, dact = _activation_and_derivative(g, ACTIVATION)
+    tl.store(
+        GRAD_GATE + rows[:, None] * stride_grad_gate + cols[None, :],
+        (dy * u * dact).to(GRAD_GATE.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        GRAD_UP + rows[:, None] * stride_grad_up + cols[None, :],
+        (dy * act).to(GRAD_UP.dtype.element_ty),
+        mask=mask,
+    )
+
+
+_LORA_BLOCK_M = 64
+_LORA_BLOCK_N = 64
+
+
+def _rank_block(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest inner dimension
+
+
+def glu_lora_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    xa: torch.Tensor,
+    b_gate: torch.Tensor,
+    b_up: torch.Tensor,
+    scale_gate: float,
+    scale_up: float,
+    activation: str,
+) -> torch.Tensor:
+    """``act(gate + s_g xa_g B_g^T) * (up + s_u xa_u B_u^T)``, computed in fp32 and rounded once.
+
+    Args:
+        gate, up: ``[..., I]`` base products (rows may be strided, unit column stride).
+        xa: ``[rows, r_g + r_u]``: ``x A_g^T`` then ``x A_u^T`` (unit column stride).
+        b_gate, b_up: ``[I, r_g]`` and ``[I, r_u]``, in xa's dtype.
+        scale_gate, scale_up: the adapters' scales.
+        activation: ``"silu"`` or ``"gelu_tanh"``.
+
+    Returns:
+        Contiguous ``[..., I]`` in gate's dtype.
+    """
+    gate_rows, up_rows = rows_view(gate), rows_view(up)
+    b_gate, b_up = rows_view(b_gate), rows_view(b_up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n_rows, n_cols = gate_rows.shape
+    if gate_rows.numel() == 0:
+        return out
+    grid = (triton.cdiv(n_rows, _LORA_BLOCK_M), triton.cdiv(n_cols, _LORA_BLOCK_N))
+    launchable(_glu_lora_forward_kernel)[grid](
+        gate_rows, up_rows, out, xa, b_gate, b_up, n_rows, n_cols, b_gate.shape[1], b_up.shape[1],
+        gate_rows.stride(0), up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
+        float(scale_gate), float(scale_up),
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
+        RANK_GATE=_rank_block(b_gate.shape[1]), RANK_UP=_rank_block(b_up.shape[1]),
+        IEEE=xa.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
+def glu_lora_backward(
+    grad_out: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    xa: torch.Tensor,
+    b_gate: torch.Tensor,
+    b_up: torch.Tensor,
+    scale_gate: float,
+    scale_up: float,
+    activation: str,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`glu_lora_forward` with respect to the full gate and up (which are also the
+    base products' gradients), recomputing the adapters' parts and the activation.
+
+    ``in_place``: written into gate's and up's memory where both can be viewed as rows without a
+    copy (then gate and up are returned, holding the gradients); otherwise new contiguous tensors.
+    """
+    grad_rows, gate_rows, up_rows = rows_view(grad_out), rows_view(gate), rows_view(up)
+    b_gate, b_up = rows_view(b_gate), rows_view(b_up)
+    viewed = rows_alias(gate) is not None and rows_alias(up) is not None
+    if in_place and viewed and gate.numel() > 0:
+        grad_gate, grad_up = gate, up
+        grad_gate_rows, grad_up_rows = gate_rows, up_rows
+    else:
+        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        grad_gate_rows, grad_up_rows = rows_view(grad_gate), rows_view(grad_up)
+    n_rows, n_cols = gate_rows.shape
+    if gate_rows.numel() == 0:
+        return grad_gate, grad_up
+    grid = (triton.cdiv(n_rows, _LORA_BLOCK_M), triton.cdiv(n_cols, _LORA_BLOCK_N))
+    launchable(_glu_lora_backward_kernel)[grid](
+        grad_rows, gate_rows, up_rows, grad_gate_rows, grad_up_rows, xa, b_gate, b_up,
+        n_rows, n_cols, b_gate.shape[1], b_up.shape[1],
+        grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate_rows.stride(0),
+        grad_up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
+        float(scale_gate), float(scale_up),
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
+        RANK_GATE=_rank_block(b_gate.shape[1]), RANK_UP=_rank_block(b_up.shape[1]),
+        IEEE=xa.dtype == torch.float32,
+    )  # fmt: skip
+    return grad_gate, grad_up
