@@ -523,7 +523,7 @@ def test_layers_sharing_an_input_over_fp8_bases_quantise_it_once_with_the_layers
         if grouped:
             bits = [c.view(torch.uint8) for c, _ in weights]
             ys = fp8_lora.SharedInputLoraFP8.apply(
-                xs, (0.5,) * 3, grad_format, *bits, *[s for _, s in weights], *as_, *bs
+                xs, (0.5,) * 3, grad_format, False, *bits, *[s for _, s in weights], *as_, *bs
             )
         else:
             ys = [

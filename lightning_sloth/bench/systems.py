@@ -247,7 +247,7 @@ def _sloth_fp8(
             fp8_compute_4bit(model, grad_format, skip)
         else:
             fp8_base_model(model, skip=("lm_head", *skip), grad_format=grad_format)
-        model._sloth_report = transform_model(model, kernels=True, **settings)
+        model._sloth_report = transform_model(model, **{"kernels": True, **settings})
         return model
 
     return setup
@@ -427,6 +427,11 @@ SUITE_SYSTEMS.update(
     {
         "sloth_fp8": SuiteSystem(
             'lightning_sloth, base_dtype="fp8" (kernels=True)', _sloth_fp8(), packed_batches
+        ),
+        "sloth_fp8_glu_lora": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", gate and up\'s LoRA parts in the activation (glu_lora)',
+            _sloth_fp8(kernels={"glu_lora": True}),
+            packed_batches,
         ),
         "sloth_fp8_all": SuiteSystem(
             'lightning_sloth, base_dtype="fp8", fp8_skip=() (k/v in FP8 too)',

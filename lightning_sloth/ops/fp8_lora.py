@@ -38,7 +38,7 @@ from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, 
 from lightning_sloth.ops.lora_layers import adapter_in, plain_parts
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
-__all__ = ["UnreadSumFP8", "lora_linear_fp8", "plain_fp8", "shared_input_fp8"]
+__all__ = ["UnreadSumFP8", "lora_linear_fp8", "plain_fp8", "shared_input_fp8", "shared_input_fp8_bases"]
 
 
 class UnreadSumFP8(torch.autograd.Function):
@@ -375,12 +375,15 @@ class SharedInputLoraFP8(torch.autograd.Function):
     product is :func:`_lora_op`'s, each ``x A_i^T`` its own product); the gradients are theirs up to
     the order of the sums.
 
-    ``forward(ctx, x, scales, grad_format, *tensors)``: ``tensors`` the layers' codes (uint8), their
-    scales, then the A's and the B's.
+    ``forward(ctx, x, scales, grad_format, bases_only, *tensors)``: ``tensors`` the layers' codes
+    (uint8), their scales, then the A's and the B's. ``bases_only``: the outputs are the base
+    products alone, followed by ``xa = [x A_1^T, ...]`` (no gradient), for a consumer that adds the
+    low-rank parts itself (``ops.glu_lora``); the gradients the node receives are still those of the
+    full outputs, and the backward is the same.
     """
 
     @staticmethod
-    def forward(ctx, x, scales, grad_format, *tensors):
+    def forward(ctx, x, scales, grad_format, bases_only, *tensors):
         n = len(scales)
         bits, w_scales, adapters_a, adapters_b = (tensors[i * n : (i + 1) * n] for i in range(4))
         rows = x.reshape(-1, x.shape[-1])
@@ -405,13 +408,16 @@ class SharedInputLoraFP8(torch.autograd.Function):
             else:
                 y = (x_dq @ dequantize_rows(w, w_scale).t()).to(rows.dtype)
             r = a.shape[0]
-            if r:
+            if r and not bases_only:
                 y.addmm_(xa[:, start : start + r], b.t(), alpha=scale)
             start += r
             outputs.append(y.view(*x.shape[:-1], w.shape[0]))
         ctx.save_for_backward(rows, xa, *tensors)
         ctx.x_shape, ctx.scales, ctx.grad_format = x.shape, scales, grad_format
         ctx.set_materialize_grads(False)
+        if bases_only:
+            ctx.mark_non_differentiable(xa)
+            return (*outputs, xa)
         return tuple(outputs)
 
     @staticmethod
@@ -420,8 +426,9 @@ class SharedInputLoraFP8(torch.autograd.Function):
         n = len(ctx.scales)
         bits, w_scales, adapters_a, adapters_b = (tensors[i * n : (i + 1) * n] for i in range(4))
         needs = ctx.needs_input_grad
-        if any(needs[3 : 3 + 2 * n]):
+        if any(needs[4 : 4 + 2 * n]):
             raise RuntimeError("sloth: the FP8 base weights are frozen; they have no gradient")
+        grads = grads[:n]  # with bases_only, xa's (None) last
         need_x = needs[0]
         d_a: list[Tensor | None] = [None] * n
         d_b: list[Tensor | None] = [None] * n
@@ -436,9 +443,9 @@ class SharedInputLoraFP8(torch.autograd.Function):
             if grads[i] is None:
                 continue
             dy = grads[i].reshape(-1, grads[i].shape[-1]).to(rows.dtype).contiguous()
-            if needs[3 + 3 * n + i]:
+            if needs[4 + 3 * n + i]:
                 d_b[i] = dy.t() @ (part * scale)
-            if need_x or needs[3 + 2 * n + i]:
+            if need_x or needs[4 + 2 * n + i]:
                 gs.append((dy @ b) * scale)
                 a_rows.append(a)
                 offsets.append(i)
@@ -451,21 +458,20 @@ class SharedInputLoraFP8(torch.autograd.Function):
         if gs:
             g_all = torch.cat(gs, dim=1) if len(gs) > 1 else gs[0]
             a_all = torch.cat(a_rows) if len(a_rows) > 1 else a_rows[0]
-            if any(needs[3 + 2 * n + i] for i in offsets):
+            if any(needs[4 + 2 * n + i] for i in offsets):
                 d_a_all = g_all.t() @ rows
                 for i, piece in zip(offsets, d_a_all.split([adapters_a[i].shape[0] for i in offsets])):
-                    if needs[3 + 2 * n + i]:
+                    if needs[4 + 2 * n + i]:
                         d_a[i] = piece
             if need_x and g_all.shape[1]:
                 dx.addmm_(g_all, a_all)
         dx = dx.view(ctx.x_shape) if dx is not None and need_x else None
-        return (dx, None, None, *([None] * (2 * n)), *d_a, *d_b)
+        return (dx, None, None, None, *([None] * (2 * n)), *d_a, *d_b)
 
 
-def shared_input_fp8(modules: Sequence[nn.Module], x: Tensor) -> tuple[Tensor, ...] | None:
-    """The outputs of PEFT LoRA layers over FP8 bases that read ``x``, computed as one
-    :class:`SharedInputLoraFP8` node; None unless every layer is in the plain case (one adapter, no
-    dropout or bias, :func:`plain_fp8` base) with one input-gradient format and x on their device."""
+def _shared_input_args(modules: Sequence[nn.Module], x: Tensor) -> tuple | None:
+    """``(x, scales, grad_format, tensors)`` for :class:`SharedInputLoraFP8` over ``modules``; None
+    unless every layer is in the plain case (see :func:`shared_input_fp8`)."""
     resolved = []
     for module in modules:
         parts = plain_parts(module)
@@ -489,4 +495,28 @@ def shared_input_fp8(modules: Sequence[nn.Module], x: Tensor) -> tuple[Tensor, .
     adapters_b = [adapter_in(b, dtype) for _, _, b, _ in resolved]
     scales = tuple(scale for *_, scale in resolved)
     fmt = check_grad_format(resolved[0][0].grad_format)
-    return SharedInputLoraFP8.apply(x_c, scales, fmt, *bits, *w_scales, *adapters_a, *adapters_b)
+    return x_c, scales, fmt, (*bits, *w_scales, *adapters_a, *adapters_b)
+
+
+def shared_input_fp8(modules: Sequence[nn.Module], x: Tensor) -> tuple[Tensor, ...] | None:
+    """The outputs of PEFT LoRA layers over FP8 bases that read ``x``, computed as one
+    :class:`SharedInputLoraFP8` node; None unless every layer is in the plain case (one adapter, no
+    dropout or bias, :func:`plain_fp8` base) with one input-gradient format and x on their device."""
+    args = _shared_input_args(modules, x)
+    if args is None:
+        return None
+    x_c, scales, fmt, tensors = args
+    return SharedInputLoraFP8.apply(x_c, scales, fmt, False, *tensors)
+
+
+def shared_input_fp8_bases(gate: nn.Module, up: nn.Module, x: Tensor) -> tuple | None:
+    """Gate and up over FP8 bases as one :class:`SharedInputLoraFP8` node that leaves the low-rank
+    parts to the activation (``bases_only``): ``(gate_base, up_base, xa, B_gate, B_up, s_gate,
+    s_up)`` for :func:`~lightning_sloth.ops.glu_lora.swiglu_lora`, or None where
+    :func:`shared_input_fp8` would not apply."""
+    args = _shared_input_args((gate, up), x)
+    if args is None:
+        return None
+    x_c, scales, fmt, tensors = args
+    gate_base, up_base, xa = SharedInputLoraFP8.apply(x_c, scales, fmt, True, *tensors)
+    return gate_base, up_base, xa, tensors[-2], tensors[-1], *scales

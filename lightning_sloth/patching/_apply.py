@@ -14,6 +14,7 @@ from torch import nn
 from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
 from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
+from lightning_sloth.patching.glu_lora_forwards import GLU_LORA_FORWARDS
 from lightning_sloth.patching.mla import mla_attention_fits, mla_attention_forward
 from lightning_sloth.patching.mlp_chunks import set_mlp_chunk_tokens
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 __all__ = ["OPS", "KernelSettings", "PatchReport", "apply_kernels", "unpatch"]
 
 OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm", "linear_attention", "mla")
+SETTINGS = (*OPS, "glu_lora")
+"""Every field of :class:`KernelSettings`: the ops, and ``glu_lora`` (a modifier of ``glu``)."""
 """The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
 
 
@@ -43,6 +46,11 @@ class KernelSettings:
             without it transformers refuses packed rows in these layers.
         mla: multi-head latent attention (DeepSeek-V3) -> packed rows build q, k and v in the flash
             varlen layout, each written once (``lightning_sloth.patching.mla``).
+        glu_lora: a modifier of ``glu``, off by default: where gate and up are LoRA layers over FP8
+            bases, their LoRA parts are added inside the activation's kernel
+            (``sloth::swiglu_lora``, :mod:`lightning_sloth.patching.glu_lora_forwards`) instead of
+            into the two base products by passes of their own. Not an op of :data:`OPS`: ``True``
+            and op-name lists leave it off unless they name it.
     """
 
     rms_norm: bool = True
@@ -53,6 +61,7 @@ class KernelSettings:
     add_rms_norm: bool = True
     linear_attention: bool = True
     mla: bool = True
+    glu_lora: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,7 +93,7 @@ class KernelSettings:
         if isinstance(value, Iterable) and not isinstance(value, str):
             names = list(value)
             _check_names(names)
-            return cls(**{op: op in names for op in OPS})
+            return cls(**{op: op in names for op in SETTINGS})
         raise TypeError(
             f"kernel settings must be a KernelSettings, bool, mapping or list of op names, got {value!r}"
         )
@@ -95,9 +104,9 @@ class KernelSettings:
 
 
 def _check_names(names: Iterable[Any]) -> None:
-    unknown = sorted(str(n) for n in names if n not in OPS)
+    unknown = sorted(str(n) for n in names if n not in SETTINGS)
     if unknown:
-        raise ValueError(f"unknown kernel op(s) {unknown}; choose from {list(OPS)}")
+        raise ValueError(f"unknown kernel op(s) {unknown}; choose from {list(SETTINGS)}")
 
 
 @dataclass
@@ -160,6 +169,8 @@ def _family_rows(
     if settings.glu and family.mlps:
         activation = getattr(config, family.activation_attr, None)
         glu_forward = _forwards.GLU_FORWARDS.get((activation, family.glu_layout))
+        if settings.glu_lora:
+            glu_forward = GLU_LORA_FORWARDS.get((activation, family.glu_layout), glu_forward)
         if glu_forward is None:
             computed = sorted({name for name, _ in _forwards.GLU_FORWARDS})
             skipped["glu"] = (

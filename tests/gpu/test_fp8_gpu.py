@@ -129,7 +129,9 @@ def test_layers_sharing_an_input_quantise_it_once_with_the_layers_outputs_on_cud
         xs = x.clone().requires_grad_()
         if grouped:
             bits = [c.view(torch.uint8) for c, _ in weights]
-            ys = SharedInputLoraFP8.apply(xs, (2.0,) * 3, "e4m3", *bits, *[s for _, s in weights], *a, *b)
+            ys = SharedInputLoraFP8.apply(
+                xs, (2.0,) * 3, "e4m3", False, *bits, *[s for _, s in weights], *a, *b
+            )
         else:
             ys = [lora_linear_fp8(xs, c, s, ai, bi, 2.0, "e4m3") for (c, s), ai, bi in zip(weights, a, b)]
         torch.autograd.backward(ys, dys)
