@@ -91,6 +91,16 @@ def _grid(rows: torch.Tensor) -> tuple[int, int]:
     return rows.shape[0], triton.cdiv(rows.shape[1], _BLOCK)
 
 
+def _grad_buffers(gate, up, gate_rows, up_rows, in_place: bool) -> tuple:
+    """``(grad_gate, grad_up)`` and their row views: gate and up themselves where written in place
+    (both viewable as rows without a copy), else new tensors."""
+    if in_place and rows_alias(gate) is not None and rows_alias(up) is not None and gate.numel() > 0:
+        return gate, up, gate_rows, up_rows
+    grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    return grad_gate, grad_up, rows_view(grad_gate), rows_view(grad_up)
+
+
 def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up``.
 
@@ -138,14 +148,7 @@ def glu_backward(
         holding the gradients, when written in place; otherwise new contiguous tensors.
     """
     grad_rows, gate_rows, up_rows = rows_view(grad_out), rows_view(gate), rows_view(up)
-    viewed = rows_alias(gate) is not None and rows_alias(up) is not None
-    if in_place and viewed and gate.numel() > 0:
-        grad_gate, grad_up = gate, up
-        grad_gate_rows, grad_up_rows = gate_rows, up_rows
-    else:
-        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-        grad_gate_rows, grad_up_rows = rows_view(grad_gate), rows_view(grad_up)
+    grad_gate, grad_up, grad_gate_rows, grad_up_rows = _grad_buffers(gate, up, gate_rows, up_rows, in_place)
     if gate_rows.numel() == 0:
         return grad_gate, grad_up
     launchable(_glu_backward_kernel)[_grid(gate_rows)](
@@ -263,8 +266,19 @@ _LORA_BLOCK_M = 64
 _LORA_BLOCK_N = 64
 
 
-def _rank_block(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest inner dimension
+def _lora_launch(n_rows: int, n_cols: int, xa, b_gate, b_up, activation: str) -> tuple[tuple, dict]:
+    """The grid and the compile-time constants of the two LoRA kernels."""
+    grid = (triton.cdiv(n_rows, _LORA_BLOCK_M), triton.cdiv(n_cols, _LORA_BLOCK_N))
+    constants = dict(
+        ACTIVATION=ACTIVATIONS[activation],
+        BLOCK_M=_LORA_BLOCK_M,
+        BLOCK_N=_LORA_BLOCK_N,
+        # tl.dot's smallest inner dimension is 16
+        RANK_GATE=max(16, triton.next_power_of_2(b_gate.shape[1])),
+        RANK_UP=max(16, triton.next_power_of_2(b_up.shape[1])),
+        IEEE=xa.dtype == torch.float32,
+    )
+    return grid, constants
 
 
 def glu_lora_forward(
@@ -295,14 +309,12 @@ def glu_lora_forward(
     n_rows, n_cols = gate_rows.shape
     if gate_rows.numel() == 0:
         return out
-    grid = (triton.cdiv(n_rows, _LORA_BLOCK_M), triton.cdiv(n_cols, _LORA_BLOCK_N))
+    grid, constants = _lora_launch(n_rows, n_cols, xa, b_gate, b_up, activation)
     launchable(_glu_lora_forward_kernel)[grid](
         gate_rows, up_rows, out, xa, b_gate, b_up, n_rows, n_cols, b_gate.shape[1], b_up.shape[1],
         gate_rows.stride(0), up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
         float(scale_gate), float(scale_up),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
-        RANK_GATE=_rank_block(b_gate.shape[1]), RANK_UP=_rank_block(b_up.shape[1]),
-        IEEE=xa.dtype == torch.float32,
+        **constants,
     )  # fmt: skip
     return out
 
@@ -327,26 +339,17 @@ def glu_lora_backward(
     """
     grad_rows, gate_rows, up_rows = rows_view(grad_out), rows_view(gate), rows_view(up)
     b_gate, b_up = rows_view(b_gate), rows_view(b_up)
-    viewed = rows_alias(gate) is not None and rows_alias(up) is not None
-    if in_place and viewed and gate.numel() > 0:
-        grad_gate, grad_up = gate, up
-        grad_gate_rows, grad_up_rows = gate_rows, up_rows
-    else:
-        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-        grad_gate_rows, grad_up_rows = rows_view(grad_gate), rows_view(grad_up)
+    grad_gate, grad_up, grad_gate_rows, grad_up_rows = _grad_buffers(gate, up, gate_rows, up_rows, in_place)
     n_rows, n_cols = gate_rows.shape
     if gate_rows.numel() == 0:
         return grad_gate, grad_up
-    grid = (triton.cdiv(n_rows, _LORA_BLOCK_M), triton.cdiv(n_cols, _LORA_BLOCK_N))
+    grid, constants = _lora_launch(n_rows, n_cols, xa, b_gate, b_up, activation)
     launchable(_glu_lora_backward_kernel)[grid](
         grad_rows, gate_rows, up_rows, grad_gate_rows, grad_up_rows, xa, b_gate, b_up,
         n_rows, n_cols, b_gate.shape[1], b_up.shape[1],
         grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate_rows.stride(0),
         grad_up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
         float(scale_gate), float(scale_up),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
-        RANK_GATE=_rank_block(b_gate.shape[1]), RANK_UP=_rank_block(b_up.shape[1]),
-        IEEE=xa.dtype == torch.float32,
+        **constants,
     )  # fmt: skip
     return grad_gate, grad_up

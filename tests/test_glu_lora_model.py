@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import add_lora, random_documents, tiny_llama
+from test_fp8_overwrite import check_block_compiles
 from test_quant_training import _OpNames  # the ops dispatched in a block
 
 from lightning_sloth.data import PackedCollator
@@ -68,50 +69,4 @@ def test_a_block_with_glu_lora_compiles_to_one_graph():
     """A patched decoder block over FP8 bases with ``glu_lora`` under ``torch.compile`` (fullgraph):
     no graph break, ``sloth::swiglu_lora`` in the graph and its in-place backward in the backward
     graph, and the output and every gradient equal to eager's."""
-    import test_patching as tp
-    from test_compile import forward_backward
-    from torch._dynamo.backends.common import aot_autograd
-
-    from lightning_sloth.patching import apply_kernels
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    try:
-        model = tp.lora(tp.tiny_model("llama"))
-        fp8_base_model(model, grad_format="e4m3")
-        apply_kernels(model, KernelSettings(glu_lora=True))
-        base = model.get_base_model()
-        hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(2))
-        positions = torch.arange(12).expand(2, -1)
-        kwargs = dict(
-            attention_mask=None,
-            position_ids=positions,
-            position_embeddings=base.model.rotary_emb(hidden, positions),
-        )
-        block = base.model.layers[0]
-        explained = torch._dynamo.explain(block)(hidden, **kwargs)
-        assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-        assert "sloth.swiglu_lora" in explained.graphs[0].code
-        grad_out = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(3))
-        expected = forward_backward(block, hidden, kwargs, grad_out)
-        torch._dynamo.reset()
-        backward_graphs = []
-
-        def keep_backward(graph, _inputs):
-            backward_graphs.append(graph.code)
-            return graph
-
-        backend = aot_autograd(fw_compiler=lambda graph, _inputs: graph, bw_compiler=keep_backward)
-        actual = forward_backward(
-            block, hidden, kwargs, grad_out, call=torch.compile(block, fullgraph=True, backend=backend)
-        )
-        (code,) = backward_graphs
-        assert code.count("sloth.swiglu_lora_backward_") == 1, code
-        torch.testing.assert_close(actual[:2], expected[:2], rtol=0, atol=0)
-        assert actual[2].keys() == expected[2].keys() and actual[2]
-        for name, grad in expected[2].items():
-            torch.testing.assert_close(actual[2][name], grad, rtol=0, atol=0, msg=name)
-    finally:
-        torch._dynamo.reset()
-        torch.set_num_threads(threads)
+    check_block_compiles(KernelSettings(glu_lora=True), "sloth.swiglu_lora", "sloth.swiglu_lora_backward_")

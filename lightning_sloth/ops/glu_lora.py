@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops.glu import _activation, _activation_derivative
+from lightning_sloth.ops.glu import glu_backward_reference, glu_reference
 from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
@@ -44,32 +44,30 @@ __all__ = ["geglu_lora", "glu_lora_backward_reference", "glu_lora_reference", "s
 _FLOPS_PER_VALUE = {"silu": (5, 9), "gelu_tanh": (10, 16)}  # (forward, backward), as ops.glu
 
 
-def _full(gate, up, xa, b_gate, b_up, scale_gate, scale_up) -> tuple[Tensor, Tensor, torch.dtype]:
+def _full(gate, up, xa, b_gate, b_up, scale_gate, scale_up) -> tuple[Tensor, Tensor]:
     """gate and up with their low-rank parts, ``[rows, I]`` in float32 (at least)."""
     compute = torch.promote_types(gate.dtype, torch.float32)
     r = b_gate.shape[1]
     xa = xa.to(compute)
     g = gate.reshape(-1, gate.shape[-1]).to(compute) + scale_gate * (xa[:, :r] @ b_gate.to(compute).t())
     u = up.reshape(-1, up.shape[-1]).to(compute) + scale_up * (xa[:, r:] @ b_up.to(compute).t())
-    return g, u, compute
+    return g, u
 
 
 def glu_lora_reference(
     gate, up, xa, b_gate, b_up, scale_gate: float, scale_up: float, activation: str
 ) -> Tensor:
     """Plain-torch forward in float32 (at least), rounded once to gate's dtype; ``[..., I]``, contiguous."""
-    g, u, _ = _full(gate, up, xa, b_gate, b_up, scale_gate, scale_up)
-    return (_activation(g, activation) * u).to(gate.dtype).view(gate.shape)
+    g, u = _full(gate, up, xa, b_gate, b_up, scale_gate, scale_up)
+    return glu_reference(g, u, activation).to(gate.dtype).view(gate.shape)
 
 
 def glu_lora_backward_reference(
     grad_out, gate, up, xa, b_gate, b_up, scale_gate: float, scale_up: float, activation: str
 ) -> tuple[Tensor, Tensor]:
     """Plain-torch gradients of the full gate and up, in float32 (at least), rounded to their dtypes."""
-    g, u, compute = _full(gate, up, xa, b_gate, b_up, scale_gate, scale_up)
-    dy = grad_out.reshape(-1, grad_out.shape[-1]).to(compute)
-    grad_gate = dy * u * _activation_derivative(g, activation)
-    grad_up = dy * _activation(g, activation)
+    g, u = _full(gate, up, xa, b_gate, b_up, scale_gate, scale_up)
+    grad_gate, grad_up = glu_backward_reference(grad_out.reshape(g.shape), g, u, activation)
     return grad_gate.to(gate.dtype).view(gate.shape), grad_up.to(up.dtype).view(up.shape)
 
 
