@@ -1,4 +1,4 @@
-"""``KernelSettings(glu_lora=True)`` in a model: where gate and up are LoRA layers over FP8 bases, the
+"""``KernelSettings(glu_lora=True)`` (the default) in a model: where gate and up are LoRA layers over FP8 bases, the
 activation adds their LoRA parts (``sloth::swiglu_lora``) and no pass adds them into the base
 products; the loss and every gradient are those of the unfused path (up to the one rounding of gate
 and up it skips); elsewhere the setting changes nothing."""
@@ -40,6 +40,10 @@ def test_over_fp8_bases_the_activation_adds_gate_and_ups_lora_parts(checkpointin
     assert names.count("sloth.swiglu_lora_backward_.default") == layers  # in place
     assert names.count("sloth.swiglu.default") == 0
     assert want_names.count("sloth.swiglu.default") == passes * layers
+    if checkpointing:  # o_proj in the forward and the recompute, down_proj in the forward alone:
+        # the recompute skips the down projection's FP8 product with the setting as without it
+        fp8_products = "sloth.lora_linear_fp8.default"
+        assert names.count(fp8_products) == want_names.count(fp8_products) == 3 * layers
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == want_grads.keys() and any("gate_proj.lora_B" in n for n in grads)
     for name, grad in want_grads.items():
@@ -55,14 +59,27 @@ def test_over_16_bit_bases_the_setting_changes_nothing():
         assert torch.equal(grads[name], grad), name
 
 
-def test_glu_lora_is_a_setting_off_by_default_and_named_when_asked_for():
-    assert KernelSettings().glu_lora is False
-    assert KernelSettings.coerce(True).glu_lora is False
+def test_glu_lora_is_a_setting_on_by_default_and_switched_off_by_name():
+    assert KernelSettings().glu_lora is True
+    assert KernelSettings.coerce(True).glu_lora is True
+    assert KernelSettings.coerce(["glu", "lora"]).glu_lora is True  # a modifier, not an op to name
     assert KernelSettings.coerce(["glu", "lora", "glu_lora"]).glu_lora is True
-    assert KernelSettings.coerce({"glu_lora": True}).glu_lora is True
-    assert "glu_lora" not in KernelSettings.coerce({"glu_lora": True}).enabled()  # not an op
+    assert KernelSettings.coerce({"glu_lora": False}).glu_lora is False
+    assert KernelSettings.coerce({"glu_lora": False}).glu is True
+    assert "glu_lora" not in KernelSettings.coerce(True).enabled()  # not an op
     with pytest.raises(ValueError, match="glu_lora"):
         KernelSettings.coerce(["glu_lorax"])
+
+
+def test_by_default_fp8_bases_take_the_activation_with_the_lora_parts():
+    docs = random_documents([7, 3, 12], seed=2)
+    batch = PackedCollator(32, 0, pad_to="max_tokens")([(d, d) for d in docs])
+    model = add_lora(tiny_llama(seed=0)).train()
+    fp8_base_model(model)
+    transform_model(model, kernels=True)
+    with _OpNames() as names:
+        model(**batch.model_inputs(), labels=batch.labels).loss.backward()
+    assert names.count("sloth.swiglu_lora.default") and not names.count("sloth.swiglu.default")
 
 
 def test_a_block_with_glu_lora_compiles_to_one_graph():

@@ -43,7 +43,10 @@ FP8 systems (``systems=fp8``; FP8 tensor cores, sm89+):
                            (``SlothPrecision(base_dtype="fp8")``: k/v kept in bf16);
                            ``sloth_fp8_all`` with k/v in FP8 too (``fp8_skip=()``);
                            ``sloth_fp8_e5m2`` and ``sloth_fp8_bf16grad`` with the other
-                           input-gradient formats.
+                           input-gradient formats. ``sloth_fp8_planned``: with
+                           ``sloth_kernels_planned``'s memory plan for the whole card;
+                           ``sloth_fp8_without_glu_lora`` with gate and up's LoRA parts added by
+                           passes of their own (``kernels={"glu_lora": False}``).
     sloth_nf4_fp8          ``sloth_nf4``'s NF4 storage, its products in FP8 (QLoRA with FP8 compute,
                            ``SlothPrecision(quantize="nf4", base_dtype="fp8")``).
 
@@ -428,9 +431,10 @@ SUITE_SYSTEMS.update(
         "sloth_fp8": SuiteSystem(
             'lightning_sloth, base_dtype="fp8" (kernels=True)', _sloth_fp8(), packed_batches
         ),
-        "sloth_fp8_glu_lora": SuiteSystem(
-            'lightning_sloth, base_dtype="fp8", gate and up\'s LoRA parts in the activation (glu_lora)',
-            _sloth_fp8(kernels={"glu_lora": True}),
+        "sloth_fp8_without_glu_lora": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", gate and up\'s LoRA parts added by passes of their own '
+            '(kernels={"glu_lora": False})',
+            _sloth_fp8(kernels={"glu_lora": False}),
             packed_batches,
         ),
         "sloth_fp8_all": SuiteSystem(
@@ -443,6 +447,13 @@ SUITE_SYSTEMS.update(
         ),
         "sloth_fp8_bf16grad": SuiteSystem(
             'lightning_sloth, base_dtype="fp8", fp8_grad="bf16"', _sloth_fp8("bf16"), packed_batches
+        ),
+        "sloth_fp8_planned": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8" + memory plan for the whole card (offload="auto", '
+            'memory_budget="auto", expandable segments)',
+            _sloth_fp8(offload="auto", memory_budget="auto"),
+            packed_batches,
+            preamble=EXPANDABLE_SEGMENTS,
         ),
         "sloth_fp8_offload": SuiteSystem(
             'lightning_sloth, base_dtype="fp8" + offload="on"', _sloth_fp8(offload="on"), packed_batches

@@ -241,11 +241,11 @@ def _gated_mlp_for_gradients(mlp: nn.Module, x: torch.Tensor, residual: torch.Te
     size = chunk_size_for(mlp, x) if patched_op(mlp) == "glu" else None
     if size is not None:  # token chunks: the recompute computes no MLP rows (mlp_chunks.py)
         return unread_chunked(mlp, x, residual, size, _gated_mlp_for_gradients)
-    activation = _GLU_ACTIVATIONS.get(getattr(mlp.__dict__.get("forward"), "__func__", None))
+    hidden = _GLU_HIDDEN.get(getattr(mlp.__dict__.get("forward"), "__func__", None))
     down = getattr(mlp, "down_proj", None)
-    if activation is None or _hooked(mlp) or patched_op(down) != "lora" or _hooked(down):
+    if hidden is None or _hooked(mlp) or patched_op(down) != "lora" or _hooked(down):
         return residual + mlp(x)
-    act = activation(mlp.gate_proj(x), mlp.up_proj(x), inplace_backward=True)
+    act = hidden(mlp, x)
     out = fused_lora_forward(down, act, overwrite_input=True, unread_sum_with=residual)
     out = lora_4bit_forward(down, act, True, unread_sum_with=residual) if out is None else out
     return out if out is not None else residual + _project_fresh(down, act)
@@ -264,45 +264,42 @@ def _project_fresh(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-@_op_forward("glu")
-@token_chunked
-def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused activation.
-
-    gate and up are fresh projection outputs read by nothing else, so the activation's backward
-    overwrites them with their gradients instead of allocating two more ``[tokens, I]`` buffers; and
-    the activation's output is read only by ``down_proj``, whose fused LoRA backward overwrites it
-    with its gradient.
-    """
-    return _project_fresh(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+_GLU_HIDDEN: dict[Callable, Callable] = {}
+"""A gated MLP forward -> its ``hidden(mlp, x)``, the activation's output (down_proj's input)."""
 
 
-@_op_forward("glu")
-@token_chunked
-def geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` with the fused activation (in-place backward,
-    as in :func:`swiglu_mlp_forward`)."""
-    return _project_fresh(self.down_proj, geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+def gated_mlp_forward(hidden: Callable, name: str) -> Callable:
+    """The gated MLP forward ``down_proj(hidden(module, x))`` (token-chunked where set), named
+    ``name``. ``hidden``'s output is read only by ``down_proj``, whose fused LoRA backward overwrites
+    it with its gradient; a recompute whose output nothing reads skips the down product
+    (:func:`_gated_mlp_for_gradients`)."""
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _project_fresh(self.down_proj, hidden(self, x))
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = hidden.__doc__
+    forward = _op_forward("glu")(token_chunked(forward))
+    _GLU_HIDDEN[forward] = hidden
+    return forward
 
 
-@_op_forward("glu")
-@token_chunked
-def fused_swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Phi-3's MLP, ``down_proj(silu(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2)``: the
-    halves are views of one fresh output, which the activation's backward overwrites in place."""
-    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return _project_fresh(self.down_proj, swiglu(gate, up, inplace_backward=True))
+def _glu_hidden(activation: Callable, fused: bool) -> Callable:
+    def hidden(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1) if fused else (mlp.gate_proj(x), mlp.up_proj(x))
+        return activation(gate, up, inplace_backward=True)
+
+    # gate and up (or the halves of Phi-3's one gate_up output) are fresh outputs read by nothing
+    # else: the activation's backward overwrites them with their gradients.
+    layout = "gate, up = gate_up_proj(x).chunk(2)" if fused else "gate_proj(x), up_proj(x)"
+    hidden.__doc__ = f"``down_proj({activation.__name__}(gate, up))``, {layout}, in-place backwards."
+    return hidden
 
 
-@_op_forward("glu")
-@token_chunked
-def fused_geglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """:func:`fused_swiglu_mlp_forward` with ``gelu_tanh``."""
-    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return _project_fresh(self.down_proj, geglu(gate, up, inplace_backward=True))
-
-
-_GLU_ACTIVATIONS: dict[Callable, Callable] = {swiglu_mlp_forward: swiglu, geglu_mlp_forward: geglu}
+swiglu_mlp_forward = gated_mlp_forward(_glu_hidden(swiglu, False), "swiglu_mlp_forward")
+geglu_mlp_forward = gated_mlp_forward(_glu_hidden(geglu, False), "geglu_mlp_forward")
+fused_swiglu_mlp_forward = gated_mlp_forward(_glu_hidden(swiglu, True), "fused_swiglu_mlp_forward")
+fused_geglu_mlp_forward = gated_mlp_forward(_glu_hidden(geglu, True), "fused_geglu_mlp_forward")
 
 GLU_FORWARDS: dict[tuple[str, GluLayout], Callable] = {
     ("silu", "split"): swiglu_mlp_forward,

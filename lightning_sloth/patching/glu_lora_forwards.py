@@ -6,7 +6,8 @@ adapter, no dropout or bias), one node makes the two base products and ``xa = [x
 and leaves the low-rank parts out (:func:`~lightning_sloth.ops.fp8_lora.shared_input_fp8_bases`);
 the activation adds them tile by tile (:mod:`lightning_sloth.ops.glu_lora`). The two ``[tokens, I]``
 read-modify-write passes that would add them into the base products are not run, in the forward
-and in a checkpointed layer's recompute. Anything else runs :mod:`._forwards`' gated MLP forward.
+and in a checkpointed layer's recompute (which, as the plain forward's, skips the down product).
+Anything else runs the plain activation on gate and up's outputs.
 """
 
 from __future__ import annotations
@@ -19,44 +20,31 @@ from torch import nn
 from lightning_sloth.ops.fp8_lora import shared_input_fp8_bases
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.glu_lora import geglu_lora, swiglu_lora
-from lightning_sloth.patching._forwards import _hooked, _op_forward, _project_fresh, patched_op
+from lightning_sloth.patching._forwards import _hooked, gated_mlp_forward, patched_op
 from lightning_sloth.patching.families import GluLayout
-from lightning_sloth.patching.mlp_chunks import token_chunked
 
 __all__ = ["GLU_LORA_FORWARDS", "geglu_lora_mlp_forward", "swiglu_lora_mlp_forward"]
 
 
-def _glu_with_lora(mlp: nn.Module, x: torch.Tensor, glu_lora: Callable) -> torch.Tensor | None:
-    """The activation of ``mlp``'s gate and up with their LoRA parts added inside it; None unless
-    both are fused LoRA layers over FP8 bases in the plain case."""
-    gate, up = mlp.gate_proj, mlp.up_proj
-    if patched_op(gate) != "lora" or patched_op(up) != "lora" or _hooked(gate) or _hooked(up):
-        return None
-    parts = shared_input_fp8_bases(gate, up, x)
-    return None if parts is None else glu_lora(*parts, inplace_backward=True)
+def _lora_hidden(glu_lora: Callable, glu: Callable) -> Callable:
+    def hidden(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if patched_op(gate) == "lora" and patched_op(up) == "lora" and not (_hooked(gate) or _hooked(up)):
+            parts = shared_input_fp8_bases(gate, up, x)
+            if parts is not None:
+                return glu_lora(*parts, inplace_backward=True)
+        return glu(gate(x), up(x), inplace_backward=True)
+
+    hidden.__doc__ = (
+        f"``down_proj({glu.__name__}(gate_proj(x), up_proj(x)))`` with gate and up's LoRA parts inside "
+        "the activation where both are fused LoRA layers over FP8 bases in the plain case (see the "
+        "module notes); the in-place backwards as the plain gated MLP forward's."
+    )
+    return hidden
 
 
-@_op_forward("glu")
-@token_chunked
-def swiglu_lora_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate and up's LoRA parts inside the
-    activation where they apply (see the module notes); the in-place backwards as
-    :func:`~lightning_sloth.patching._forwards.swiglu_mlp_forward`'s."""
-    h = _glu_with_lora(self, x, swiglu_lora)
-    if h is None:
-        h = swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True)
-    return _project_fresh(self.down_proj, h)
-
-
-@_op_forward("glu")
-@token_chunked
-def geglu_lora_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu_lora_mlp_forward` with ``gelu_tanh``."""
-    h = _glu_with_lora(self, x, geglu_lora)
-    if h is None:
-        h = geglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True)
-    return _project_fresh(self.down_proj, h)
-
+swiglu_lora_mlp_forward = gated_mlp_forward(_lora_hidden(swiglu_lora, swiglu), "swiglu_lora_mlp_forward")
+geglu_lora_mlp_forward = gated_mlp_forward(_lora_hidden(geglu_lora, geglu), "geglu_lora_mlp_forward")
 
 GLU_LORA_FORWARDS: dict[tuple[str, GluLayout], Callable] = {
     ("silu", "split"): swiglu_lora_mlp_forward,
