@@ -52,7 +52,7 @@ def scenario_title(key: str, report: dict) -> str:
 
 
 def commit_of(report: dict) -> str | None:
-    commit = report.get("environment", {}).get("git_commit") or report.get("git_commit")
+    commit = report.get("git_commit") or report.get("environment", {}).get("git_commit")
     return str(commit)[:10] if commit else None
 
 

@@ -129,8 +129,11 @@ def caption(reports: list[dict], sources: list[str]) -> str:
         run_env, run = report["environment"], []
         if run_env.get("matmul_probe_tflops"):
             run.append(f"measured bf16 matmul {run_env['matmul_probe_tflops']:.0f} TFLOP/s")
-        if run_env.get("git_commit"):
-            run.append(f"commit {run_env['git_commit'][:10]}")
+        # The top-level commit is the one recorded beside the results (the tree the run came from);
+        # the environment's is what ``git rev-parse`` said on the machine that ran it.
+        commit = report.get("git_commit") or run_env.get("git_commit")
+        if commit:
+            run.append(f"commit {str(commit)[:10]}")
         if run:
             parts.append((f"`{source}`: " if len(reports) > 1 else "") + ", ".join(run))
     steps = {(r["workload"]["warmup_steps"], r["workload"]["timed_steps"]) for r in reports}
