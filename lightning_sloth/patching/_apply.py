@@ -49,8 +49,8 @@ class KernelSettings:
         glu_lora: a modifier of ``glu``: where gate and up are LoRA layers over FP8 bases, their
             LoRA parts are added inside the activation's kernel (``sloth::swiglu_lora``,
             :mod:`lightning_sloth.patching.glu_lora_forwards`) instead of into the two base products
-            by passes of their own (measured: the 8B FP8 step 1.035x faster). Elsewhere it changes
-            nothing. Not an op of :data:`OPS`: on unless a mapping sets it off (``{"glu_lora":
+            by passes of their own (the 8B FP8 step 1.03x faster on the H100, docs/benchmarks.md).
+            Elsewhere it changes nothing. Not an op of :data:`OPS`: on unless a mapping sets it off (``{"glu_lora":
             False}``); ``False`` and op-name lists that leave out ``glu`` leave nothing for it to modify.
     """
 
