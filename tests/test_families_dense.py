@@ -75,6 +75,29 @@ def test_packed_row_matches_each_document_alone(model_type):
     _assert_packed_matches_documents(model, reference, random_documents(LENGTHS, seed=1, vocab=VOCAB))
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_the_gated_norm_op_opted_in_matches_each_document_alone(model_type):
+    """``KernelSettings(rms_norm_gated=True)``: the gated RMSNorm after the delta rule runs
+    ``sloth::rms_norm_gated``; the packed row still equals each document alone, every gradient
+    included. Off by default, and the report says so."""
+    reference = tiny(model_type)
+    default = transform_model(copy.deepcopy(reference), kernels=True, moe=False).kernels
+    assert default.counts["rms_norm_gated"] == 0
+    assert default.skipped["rms_norm_gated"].startswith("switched off (off by default")
+    model = copy.deepcopy(reference)
+    report = transform_model(model, kernels={"rms_norm_gated": True}, moe=False).kernels
+    gated_layers = model.config.layer_types.count("linear_attention")
+    assert report.counts == default.counts | {"rms_norm_gated": gated_layers} and gated_layers
+    assert all(name.endswith("linear_attn.norm") for name in report.modules["rms_norm_gated"])
+    from test_quant_training import _OpNames  # the ops dispatched in a block
+
+    with _OpNames() as names:
+        _assert_packed_matches_documents(model, reference, random_documents(LENGTHS, seed=1, vocab=VOCAB))
+    # the forward and the checkpointed layer's recompute; one backward
+    assert names.count("sloth.rms_norm_gated.default") == 2 * gated_layers
+    assert names.count("sloth.rms_norm_gated_backward.default") == gated_layers
+
+
 @pytest.mark.parametrize("model_type", ["gemma4_text", "llama4_text", "phi3"])
 def test_many_short_documents_take_sdpa_in_query_tiles(model_type, monkeypatch):
     """A row of many short documents (SDPA in query tiles against the keys they reach: global,

@@ -13,7 +13,8 @@ from torch import nn
 
 from lightning_sloth.hf_model import base_model
 from lightning_sloth.patching import _forwards
-from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
+from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, OPT_IN, Family
+from lightning_sloth.patching.gated_norm import gated_norm_fits, gated_norm_forward
 from lightning_sloth.patching.glu_lora_forwards import GLU_LORA_FORWARDS
 from lightning_sloth.patching.mla import mla_attention_fits, mla_attention_forward
 from lightning_sloth.patching.mlp_chunks import set_mlp_chunk_tokens
@@ -22,7 +23,17 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OPS", "KernelSettings", "PatchReport", "apply_kernels", "unpatch"]
 
-OPS = ("rms_norm", "rope", "glu", "cross_entropy", "lora", "add_rms_norm", "linear_attention", "mla")
+OPS = (
+    "rms_norm",
+    "rope",
+    "glu",
+    "cross_entropy",
+    "lora",
+    "add_rms_norm",
+    "linear_attention",
+    "rms_norm_gated",
+    "mla",
+)
 SETTINGS = (*OPS, "glu_lora")
 """Every field of :class:`KernelSettings`: the ops, and ``glu_lora`` (a modifier of ``glu``)."""
 """The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
@@ -44,6 +55,9 @@ class KernelSettings:
         linear_attention: Gated DeltaNet layers (Qwen3.5, Qwen3-Next) -> the short convolution and
             the delta rule over the packed row's segments (``lightning_sloth.linear_attention``);
             without it transformers refuses packed rows in these layers.
+        rms_norm_gated: off by default until measured on the GPU: the gated RMSNorm after a Gated
+            DeltaNet layer's delta rule (Qwen3.5, Qwen3-Next) -> ``sloth::rms_norm_gated``
+            (:mod:`lightning_sloth.patching.gated_norm`), exact to the module's forward.
         mla: multi-head latent attention (DeepSeek-V3) -> packed rows build q, k and v in the flash
             varlen layout, each written once (``lightning_sloth.patching.mla``).
         glu_lora: a modifier of ``glu``: where gate and up are LoRA layers over FP8 bases, their
@@ -61,6 +75,7 @@ class KernelSettings:
     lora: bool = True
     add_rms_norm: bool = True
     linear_attention: bool = True
+    rms_norm_gated: bool = False
     mla: bool = True
     glu_lora: bool = True
 
@@ -74,7 +89,8 @@ class KernelSettings:
         """Settings from the forms a config may hold.
 
         Args:
-            value: a ``KernelSettings``; ``True`` (every op); ``False``/``None`` (none); a mapping of field names to bools
+            value: a ``KernelSettings``; ``True`` (the defaults: every op but ``rms_norm_gated``);
+                ``False``/``None`` (none); a mapping of field names to bools
                 (missing fields keep their defaults); or an iterable of op names to switch on (the
                 others off).
 
@@ -199,6 +215,15 @@ def _family_rows(
                 "the forward does not call causal_conv1d_fn and torch_chunk_gated_delta_rule by name",
             )
         )
+    if settings.rms_norm_gated:
+        rows.append(
+            _Row(
+                "rms_norm_gated",
+                family.classes(family.gated_norms),
+                lambda module: gated_norm_forward if gated_norm_fits(module) else None,
+                "not the SiLU-gated RMSNorm with a weight and a float eps that the op computes",
+            )
+        )
     if settings.mla:
         rows.append(
             _Row(
@@ -229,6 +254,13 @@ def _family_rows(
             )
         )
     return rows
+
+
+def _why_off(op: str, family: Family | None) -> str:
+    """Why an op switched off runs nowhere: off, or off by default (where the family has its modules)."""
+    if op in OPT_IN and family is not None and not family.why_absent(op):
+        return f"switched off ({OPT_IN[op]}; kernels={{'{op}': True}})"
+    return "switched off"
 
 
 def _explain_missing(report: PatchReport, family: Family | None, model_type: str | None) -> None:
@@ -298,7 +330,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
         rows = _family_rows(family, config, settings, report.skipped)
     if settings.lora:
         rows.append(_Row("lora", (LoraLinear, *_bnb_lora_classes()), _every(_forwards.lora_forward)))
-    report.skipped.update((op, "switched off") for op in OPS if not getattr(settings, op))
+    report.skipped.update((op, _why_off(op, family)) for op in OPS if not getattr(settings, op))
 
     foreign, lora_fallbacks = 0, []
     for name, module in base.named_modules():

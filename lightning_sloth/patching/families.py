@@ -24,6 +24,8 @@ column                  what it decides
 ``linear_attentions``   Gated DeltaNet classes (hybrid linear attention) -> their forward with the
                         short convolution and the delta rule over the packed row's ``cu_seqlens``
                         (:mod:`lightning_sloth.linear_attention`).
+``gated_norms``         the gated RMSNorm after their delta rule -> ``rms_norm_gated``
+                        (:mod:`lightning_sloth.patching.gated_norm`).
 ``mla_attentions``      multi-head latent attention classes (DeepSeek-V3) -> a forward that builds q,
                         k and v of packed rows in the flash varlen layout, the interleaved rotary
                         included (:mod:`lightning_sloth.patching.mla`); other calls, and
@@ -74,7 +76,7 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["FAMILIES", "OP_COLUMNS", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
+__all__ = ["FAMILIES", "OPT_IN", "OP_COLUMNS", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
 
 
 @dataclass(frozen=True)
@@ -120,11 +122,15 @@ OP_COLUMNS: dict[str, tuple[str, str]] = {
     "rope": ("attentions", "rotary attention modules"),
     "glu": ("mlps", "dense gated MLPs"),
     "linear_attention": ("linear_attentions", "linear-attention layers"),
+    "rms_norm_gated": ("gated_norms", "gated RMSNorm modules"),
     "mla": ("mla_attentions", "multi-head latent attention modules"),
     "add_rms_norm": ("decoder_layers", "pre-norm decoder layers"),
     "cross_entropy": ("causal_lms", "causal LM head"),
 }
 """op -> (the column naming the classes it applies to, what those are); ``lora`` needs no column."""
+
+OPT_IN: dict[str, str] = {"rms_norm_gated": "off by default until measured on the GPU"}
+"""Ops of the table that ``KernelSettings`` leaves off by default -> why."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class Family:
     glu_layout: GluLayout = "split"
     rope_form: RopeForm = "qk"
     linear_attentions: tuple[str, ...] = ()
+    gated_norms: tuple[str, ...] = ()
     mla_attentions: tuple[str, ...] = ()
     logits_divisor_attr: str | None = None
     absent: tuple[tuple[str, str], ...] = ()
@@ -228,10 +235,6 @@ _OFFSET_NORMS = (
     "add_rms_norm",
     "its decoder norms are (1 + weight) norms; add_rms_norm fuses Llama-order norms",
 )
-_GATED_NORM = (
-    "rms_norm_gated",
-    "the gated RMSNorm after the delta rule (norm * silu(z)) runs transformers' forward",
-)
 
 
 def _hybrid(prefix: str, package: str, moe: bool, *traits: str) -> Family:
@@ -247,7 +250,8 @@ def _hybrid(prefix: str, package: str, moe: bool, *traits: str) -> Family:
         causal_lms=(f"{prefix}ForCausalLM",),
         moe=moe,
         linear_attentions=(f"{prefix}GatedDeltaNet",),
-        absent=(_OFFSET_NORMS, _GATED_NORM),
+        gated_norms=(f"{prefix}RMSNormGated",),
+        absent=(_OFFSET_NORMS,),
         traits=("hybrid linear attention (Gated DeltaNet 3:1)", "partial rotary", "per-head QK-norm",
                 "gated attention output", *traits),
     )  # fmt: skip
