@@ -6,7 +6,7 @@ product is rounded too where the weight and x share a 16-bit dtype (``ROUND_PROD
 and taken in fp32 where either is fp32; the gate's SiLU is fp32; the result is rounded once to x's
 dtype. Rows are short (the value head's width, 128 at the released sizes), so a program owns
 ``BLOCK_M`` whole rows, as in :mod:`.rms_norm`; the backward is a grid-stride loop whose programs
-each write one partial row of ``dW``, summed after.
+each write one partial row of ``dW``, summed after (the row blocking is :mod:`.rms_norm`'s).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from lightning_sloth.kernels._utils import launchable, persistent_grid, rows_view, warps_for
-
-_TARGET_BLOCK = 4096
+from lightning_sloth.kernels.rms_norm import _blocks
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -100,11 +99,6 @@ def _rms_norm_gated_backward_kernel(
         tl.store(DZ + rows[:, None] * n_cols + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
         dw_acc += dp * h
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-
-
-def _blocks(n_cols: int) -> tuple[int, int]:
-    block_n = triton.next_power_of_2(int(n_cols))
-    return max(1, _TARGET_BLOCK // block_n), block_n
 
 
 def rms_norm_gated_forward(

@@ -5,6 +5,7 @@ reruns the ``interpreted`` cases in a fresh process)."""
 import pytest
 import torch
 from _interpreter import interpreted_only, launcher_only, run_interpreted_cases
+from test_rms_norm import EPS, _make, _weight  # the inputs' layouts and the weights
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sloth.ops.rms_norm_gated import (
@@ -14,20 +15,6 @@ from lightning_sloth.ops.rms_norm_gated import (
     rms_norm_gated_backward_reference,
     rms_norm_gated_reference,
 )
-
-EPS = 1e-6
-
-
-def _make(shape, layout, dtype=torch.float32):
-    if layout == "contiguous":
-        return torch.randn(shape, dtype=dtype)
-    if layout == "transposed":
-        return torch.randn(shape[1], shape[0], *shape[2:], dtype=dtype).transpose(0, 1)
-    return torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]
-
-
-def _weight(n, dtype=torch.float32):
-    return (1.0 + 0.5 * torch.randn(n)).to(dtype)
 
 
 def _reference64(x, gate, weight):
