@@ -113,17 +113,17 @@ CASES: dict[str, tuple[str, dict, dict[str, int]]] = {
     "qwen3_5_text": (
         "Qwen3_5TextConfig",
         _HYBRID,
-        dict(rms_norm=7, rope=1, glu=2, cross_entropy=1, linear_attention=1),
+        dict(rms_norm=7, rope=1, glu=2, cross_entropy=1, linear_attention=1, rms_norm_gated=1),
     ),
     "qwen3_5_moe_text": (
         "Qwen3_5MoeTextConfig",
         dict(_HYBRID, **_HYBRID_MOE),
-        dict(rms_norm=7, rope=1, glu=2, cross_entropy=1, linear_attention=1),
+        dict(rms_norm=7, rope=1, glu=2, cross_entropy=1, linear_attention=1, rms_norm_gated=1),
     ),
     "qwen3_next": (
         "Qwen3NextConfig",
         dict(_HYBRID, **_HYBRID_MOE),
-        dict(rms_norm=7, rope=1, glu=2, cross_entropy=1, linear_attention=1),
+        dict(rms_norm=7, rope=1, glu=2, cross_entropy=1, linear_attention=1, rms_norm_gated=1),
     ),
 }
 

@@ -76,18 +76,17 @@ def test_packed_row_matches_each_document_alone(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
-def test_the_gated_norm_op_opted_in_matches_each_document_alone(model_type):
-    """``KernelSettings(rms_norm_gated=True)``: the gated RMSNorm after the delta rule runs
-    ``sloth::rms_norm_gated``; the packed row still equals each document alone, every gradient
-    included. Off by default, and the report says so."""
+def test_the_gated_norm_op_matches_each_document_alone(model_type):
+    """By default the gated RMSNorm after the delta rule runs ``sloth::rms_norm_gated``; the packed
+    row still equals each document alone, every gradient included. Switched off, the report says so
+    and the rest is patched as before."""
     reference = tiny(model_type)
-    default = transform_model(copy.deepcopy(reference), kernels=True, moe=False).kernels
-    assert default.counts["rms_norm_gated"] == 0
-    assert default.skipped["rms_norm_gated"].startswith("switched off (off by default")
+    off = transform_model(copy.deepcopy(reference), kernels={"rms_norm_gated": False}, moe=False).kernels
+    assert off.counts["rms_norm_gated"] == 0 and off.skipped["rms_norm_gated"] == "switched off"
     model = copy.deepcopy(reference)
-    report = transform_model(model, kernels={"rms_norm_gated": True}, moe=False).kernels
+    report = transform_model(model, kernels=True, moe=False).kernels
     gated_layers = model.config.layer_types.count("linear_attention")
-    assert report.counts == default.counts | {"rms_norm_gated": gated_layers} and gated_layers
+    assert report.counts == off.counts | {"rms_norm_gated": gated_layers} and gated_layers
     assert all(name.endswith("linear_attn.norm") for name in report.modules["rms_norm_gated"])
     from test_quant_training import _OpNames  # the ops dispatched in a block
 

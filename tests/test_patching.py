@@ -352,9 +352,8 @@ def test_custom_loss_function_falls_back_to_the_full_logits(caplog):
 
 def test_kernel_settings_forms():
     assert KernelSettings.coerce(True) == KernelSettings()
-    # every op by default but rms_norm_gated (off until measured on the GPU)
-    assert KernelSettings().enabled() == tuple(op for op in OPS if op != "rms_norm_gated")
-    assert "rms_norm_gated" in KernelSettings.coerce({"rms_norm_gated": True}).enabled()
+    assert KernelSettings().enabled() == OPS  # every op by default
+    assert "rms_norm_gated" not in KernelSettings.coerce({"rms_norm_gated": False}).enabled()
     assert "add_rms_norm" not in KernelSettings.coerce({"add_rms_norm": False}).enabled()
     assert KernelSettings.coerce(None).enabled() == ()
     assert KernelSettings.coerce(["rope", "lora"]).enabled() == ("rope", "lora")

@@ -20,9 +20,9 @@ Loop systems (all with LoRA r=16 on the 7 projections and gradient checkpointing
     sloth_kernels_planned  + offload "auto" and ``memory_budget="auto"``: the per-layer
                            keep/recompute/offload plan for what the device has free, the caching
                            allocator in expandable segments (its process's preamble).
-    sloth_kernels_planned_gated_norm
-                           + the opt-in gated RMSNorm op of Gated DeltaNet layers
-                           (``kernels={"rms_norm_gated": True}``).
+    sloth_kernels_planned_without_gated_norm
+                           the plan with the gated RMSNorm op of Gated DeltaNet layers off
+                           (``kernels={"rms_norm_gated": False}``; its ablation).
     sloth_kernels_no_checkpointing
                            kernels without gradient checkpointing (every activation kept).
     sloth_kernels_graphs   + CUDA graphs of each layer's forward and recompute + backward
@@ -375,9 +375,9 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
         _separate_b_products(sloth_setup(kernels=True)),
         packed_batches,
     ),
-    "sloth_kernels_planned_gated_norm": SuiteSystem(
-        'lightning_sloth + memory plan for the whole card + the gated RMSNorm op (kernels={"rms_norm_gated": True})',
-        sloth_setup(kernels={"rms_norm_gated": True}, offload="auto", memory_budget="auto"),
+    "sloth_kernels_planned_without_gated_norm": SuiteSystem(
+        'lightning_sloth + memory plan for the whole card, gated RMSNorm op off (kernels={"rms_norm_gated": False})',
+        sloth_setup(kernels={"rms_norm_gated": False}, offload="auto", memory_budget="auto"),
         packed_batches,
         preamble=EXPANDABLE_SEGMENTS,
     ),

@@ -76,7 +76,7 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["FAMILIES", "OPT_IN", "OP_COLUMNS", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
+__all__ = ["FAMILIES", "OP_COLUMNS", "Family", "GluLayout", "NormStyle", "RopeForm", "RopeLayout"]
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,6 @@ OP_COLUMNS: dict[str, tuple[str, str]] = {
     "cross_entropy": ("causal_lms", "causal LM head"),
 }
 """op -> (the column naming the classes it applies to, what those are); ``lora`` needs no column."""
-
-OPT_IN: dict[str, str] = {"rms_norm_gated": "off by default until measured on the GPU"}
-"""Ops of the table that ``KernelSettings`` leaves off by default -> why."""
 
 
 @dataclass(frozen=True)

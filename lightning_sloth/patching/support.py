@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, OPT_IN, Family
+from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
 
 __all__ = ["SupportRow", "read_test_sources", "support_markdown", "support_matrix"]
 
@@ -149,17 +149,11 @@ def support_matrix(
                 if _mentions(function, patterns):
                     qlora |= bool(_QLORA.search(function))
                     fsdp2 |= bool(_FSDP.search(function)) or bool(_FSDP.search(name))
-        ops = tuple(
-            f"{op} (opt-in)" if op in OPT_IN else op
-            for op, (column, _) in OP_COLUMNS.items()
-            if getattr(family, column)
-        ) + ("lora",)
+        ops = tuple(op for op, (column, _) in OP_COLUMNS.items() if getattr(family, column)) + ("lora",)
         notes = [op for op, _ in family.absent if op not in OP_COLUMNS]
         # A family without linear-attention or latent-attention layers has nothing for those ops
         # to take: not listed.
-        missing = [
-            op for op in OP_COLUMNS if op not in ops and op not in OPT_IN and op not in _ARCHITECTURE_OPS
-        ]
+        missing = [op for op in OP_COLUMNS if op not in ops and op not in _ARCHITECTURE_OPS]
         absent = tuple(f"{op}: {family.why_absent(op)}" for op in [*missing, *notes])
         rows.append(
             SupportRow(
