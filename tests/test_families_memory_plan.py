@@ -1,7 +1,8 @@
 """The per-layer memory plan on the new families' layers: a layer kept (no checkpoint) and a layer
 recomputed give the same loss and every LoRA gradient bit for bit, with the family's sloth ops on
 (Gemma 4's sandwich norms and per-layer head dims, Qwen3.5's linear-attention layers, DeepSeek-V3's
-MLA forward and MoE layer)."""
+MLA forward and MoE layer, Qwen2-MoE's experts with the token permutation fused into the grouped
+GEMMs)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,16 @@ def _step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("family", ["gemma4_text", "qwen3_5_text", "deepseek_v3"])
-def test_kept_and_recomputed_layers_give_the_same_gradients(family):
-    moe = family == "deepseek_v3"
+@pytest.mark.parametrize(
+    "family, fused",
+    [("gemma4_text", False), ("qwen3_5_text", False), ("deepseek_v3", False), ("qwen2_moe", True)],
+)
+def test_kept_and_recomputed_layers_give_the_same_gradients(family, fused, monkeypatch):
+    """``fused``: the MoE layers with the token permutation fused into the grouped GEMMs."""
+    from lightning_sloth.moe import fused as moe_fused
+
+    monkeypatch.setattr(moe_fused, "_ENABLED", [fused])
+    moe = family in ("deepseek_v3", "qwen2_moe")
     model = add_lora(tiny_moe(family) if moe else tiny_dense(family, attn="sdpa"), r=4)
     transform_model(model, kernels=True)
     checkpointing = apply_checkpointing(model, memory_budget=1 << 40)
