@@ -223,3 +223,28 @@ def test_every_system_and_unsloth_train_the_same_lora_targets(monkeypatch, tmp_p
         peers.unsloth(workload)
         assert {k: seen[k] for k in lora_targets(workload)} == lora_targets(workload)
         assert seen["use_gradient_checkpointing"] == "unsloth"
+
+
+def test_the_fused_moe_systems_switch_the_permutation_on_in_their_process(monkeypatch):
+    """``sloth_kernels_fused`` builds the MoE model with the fused-permutation ops switched on (its
+    own process keeps the setting); the step then dispatches the fused grouped GEMMs."""
+    from test_quant_training import _OpNames
+
+    from lightning_sloth.bench.systems import SUITE_SYSTEMS
+    from lightning_sloth.moe import fused
+
+    monkeypatch.setattr(fused, "_ENABLED", [False])
+    assert (
+        SUITE_SYSTEMS["sloth_kernels_planned_fused"].preamble
+        == SUITE_SYSTEMS["sloth_kernels_planned"].preamble
+    )
+    workload = Workload(shape="tiny_moe", tokens_per_step=256, median_len=40, min_len=8, max_len=128)
+    system = SUITE_SYSTEMS["sloth_kernels_fused"]
+    model = system.setup(workload)
+    assert fused.fused_permutation_enabled()
+    samples = workload.samples(vocab=model.config.vocab_size)[:24]
+    (micro, *_), *_ = list(system.batches(workload, samples, 0))
+    with _OpNames() as names:
+        model(**micro[0]).loss.backward()
+    assert "sloth.moe_gather_lora_grouped_mm.default" in names
+    assert "sloth.moe_gather_lora_grouped_mm_backward.default" in names

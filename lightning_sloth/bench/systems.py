@@ -23,6 +23,9 @@ Loop systems (all with LoRA r=16 on the 7 projections and gradient checkpointing
     sloth_kernels_planned_without_gated_norm
                            the plan with the gated RMSNorm op of Gated DeltaNet layers off
                            (``kernels={"rms_norm_gated": False}``; its ablation).
+    sloth_kernels_fused    MoE experts with the token permutation fused into the grouped GEMMs
+                           (``moe.fused.set_fused_permutation(True)`` in the system's process);
+                           ``sloth_kernels_planned_fused``: with the plan.
     sloth_kernels_no_checkpointing
                            kernels without gradient checkpointing (every activation kept).
     sloth_kernels_graphs   + CUDA graphs of each layer's forward and recompute + backward
@@ -79,6 +82,7 @@ from lightning_sloth.bench.workload import (
     quantized_base_model,
     static_packed_batches,
 )
+from lightning_sloth.moe.fused import set_fused_permutation
 from lightning_sloth.ops import lora_groups
 from lightning_sloth.patching import OPS
 from lightning_sloth.quant.fp8 import FP8_SKIP, fp8_base_model, fp8_compute_4bit
@@ -205,6 +209,18 @@ def _separate_b_products(setup: Callable) -> Callable:
     return wrapped
 
 
+def _fused_permutation(setup: Callable) -> Callable:
+    """``setup`` in a process whose MoE experts read and write their token rows through the sort
+    permutation (the fused grouped GEMMs) instead of gathering them (each system runs in its own
+    process, so the module setting stays in it)."""
+
+    def wrapped(workload: Workload):
+        set_fused_permutation(True)
+        return setup(workload)
+
+    return wrapped
+
+
 def _loss_on_all_rows(setup: Callable) -> Callable:
     """``setup``, the fused loss then given no target count: logits for every row, as before."""
 
@@ -314,6 +330,17 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_planned": SuiteSystem(
         'lightning_sloth + memory plan for the whole card (offload="auto", memory_budget="auto", '
         "expandable segments)",
+        preamble=EXPANDABLE_SEGMENTS,
+    ),
+    "sloth_kernels_fused": SuiteSystem(
+        "lightning_sloth: transform_model(kernels=True), MoE permutation fused into the grouped GEMMs",
+        _fused_permutation(sloth_setup(kernels=True)),
+        packed_batches,
+    ),
+    "sloth_kernels_planned_fused": SuiteSystem(
+        "lightning_sloth + memory plan for the whole card, MoE permutation fused into the grouped GEMMs",
+        _fused_permutation(sloth_setup(kernels=True, offload="auto", memory_budget="auto")),
+        packed_batches,
         preamble=EXPANDABLE_SEGMENTS,
     ),
     "sloth_kernels_offload_single": SuiteSystem(
