@@ -31,7 +31,7 @@ PACKED = [
 ]
 
 
-def tiny_config(out_dir: Path, systems: list[str], scenario: str = "tiny"):
+def tiny_config(out_dir: Path, systems: list[str], scenario: str = "tiny", extra: tuple[str, ...] = ()):
     with initialize_config_module(config_module="lightning_sloth.conf.bench", version_base="1.3"):
         return compose(
             config_name="config",
@@ -43,6 +43,7 @@ def tiny_config(out_dir: Path, systems: list[str], scenario: str = "tiny"):
                 "probe.size=128",
                 "probe.iters=2",
                 "git_commit=0123456789abcdef",
+                *extra,
             ],
         )
 
@@ -265,3 +266,26 @@ def test_unknown_block_kind_is_named(tmp_path):
     text = "<!-- bench:x kind=pie -->\n<!-- /bench:x -->\n"
     with pytest.raises(ValueError, match="unknown kind 'pie'"):
         bench_report.update_readme(text, tmp_path, tmp_path)
+
+
+def test_a_profiled_system_writes_its_step_table_beside_the_json(tmp_path):
+    """``profile=[NAME]``: the system's loop runs one more step under the profiler and writes its
+    operators (with input shapes) to ``profile_<scenario>_<tag>_<system>.txt``; the record names the
+    file. A profiled system the run does not measure is refused before anything runs."""
+    torch.manual_seed(0)
+    report = bench_suite.run_suite(
+        tiny_config(tmp_path, ["sloth_kernels"], extra=("profile=[sloth_kernels]",))
+    )
+    [record] = report["results"]
+    assert record["status"] == "ok", record
+    path = Path(record["profile"])
+    assert (
+        path.parent == tmp_path
+        and path.name.startswith("profile_tiny_")
+        and path.name.endswith("_sloth_kernels.txt")
+    )
+    text = path.read_text()
+    assert text.startswith("lightning_sloth: transform_model(kernels=True) (API path): step ")
+    assert "Operators by input shape" in text and "aten::" in text
+    with pytest.raises(ValueError, match="profile="):
+        bench_suite.run_suite(tiny_config(tmp_path, ["sloth_kernels"], extra=("profile=[hf_padded]",)))

@@ -24,16 +24,14 @@ from pathlib import Path
 import torch
 
 from lightning_sloth.bench.measure import (
-    copy_launchers,
     environment,
     forward_backward,
-    gpu_busy_ms,
-    gpu_kernel_table,
     inactive_expert_parameters,
     make_optimizer,
     memory_plan_record,
     stage_batch,
     step_flops,
+    write_profile,
 )
 from lightning_sloth.bench.systems import resolve_system
 from lightning_sloth.bench.workload import SHAPES, Workload
@@ -83,22 +81,7 @@ def run_system(
         elapsed = time.perf_counter() - start
         if profiler is not None:
             profiler.__exit__(None, None, None)
-            busy_ms = gpu_busy_ms(profiler.events())
-            with open(profile_to, "w") as fh:
-                fh.write(
-                    f"{name}: step {elapsed * 1e3:.1f} ms (profiled), GPU busy {busy_ms:.1f} ms "
-                    f"({busy_ms / (elapsed * 1e3):.0%}): the rest the GPU waited for the host\n\n"
-                )
-                fh.write(f"{'GPU ms':>9} {'calls':>6}  kernel or copy\n")
-                for row in gpu_kernel_table(profiler.events(), top=40):
-                    fh.write(f"{row['ms']:9.1f} {row['calls']:6d}  {row['name']}\n")
-                fh.write("\nDevice copies (cudaMemcpyAsync) by the operators around them:\n")
-                for row in copy_launchers(profiler.events()):
-                    fh.write(f"{row['calls']:6d}  {row['chain']}\n")
-                # Which operators (and input shapes) launched them: copies and casts show up here.
-                fh.write("\nOperators by input shape, by the GPU time they launched:\n")
-                by_shape = profiler.key_averages(group_by_input_shape=True)
-                fh.write(by_shape.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+            write_profile(profile_to, name, profiler, elapsed)
             break
         losses.append(float(loss))
         if step >= workload.warmup_steps:

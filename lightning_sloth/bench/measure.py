@@ -260,6 +260,49 @@ def copy_launchers(events, top: int = 15) -> list[dict]:
     return [{"chain": chain, "calls": calls} for chain, calls in ranked]
 
 
+def write_profile(path: str, name: str, profiler, elapsed_s: float) -> None:
+    """A profiled step as text at ``path``: its GPU kernels and copies by total time, who issued
+    its device copies, and its operators by input shape by the device time they launched themselves
+    (copies, casts and elementwise passes show up with their shapes). A CPU-only profile writes the
+    operators by their CPU time."""
+    events = profiler.events()
+    busy_ms = gpu_busy_ms(events)
+    cuda = any(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    with open(path, "w") as fh:
+        fh.write(
+            f"{name}: step {elapsed_s * 1e3:.1f} ms (profiled), GPU busy {busy_ms:.1f} ms "
+            f"({busy_ms / (elapsed_s * 1e3):.0%}): the rest the GPU waited for the host\n\n"
+            if cuda
+            else f"{name}: step {elapsed_s * 1e3:.1f} ms (profiled, host only)\n\n"
+        )
+        fh.write(f"{'GPU ms':>9} {'calls':>6}  kernel or copy\n")
+        for row in gpu_kernel_table(events, top=40):
+            fh.write(f"{row['ms']:9.1f} {row['calls']:6d}  {row['name']}\n")
+        fh.write("\nDevice copies (cudaMemcpyAsync) by the operators around them:\n")
+        for row in copy_launchers(events):
+            fh.write(f"{row['calls']:6d}  {row['chain']}\n")
+        own = "the device time they launched themselves" if cuda else "their own CPU time"
+        fh.write(f"\nOperators by input shape, by {own}:\n")
+        by_shape = profiler.key_averages(group_by_input_shape=True)
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        fh.write(by_shape.table(sort_by=sort, row_limit=40, max_name_column_width=60))
+
+
+def profile_step(step: Callable[[], object], device: torch.device, path: str, name: str) -> None:
+    """Run ``step`` once more under ``torch.profiler`` (host and device, input shapes) and write
+    :func:`write_profile`'s text to ``path``; not part of any timing."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    synchronize(device)
+    with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
+        begin = time.perf_counter()
+        step()
+        synchronize(device)
+        elapsed = time.perf_counter() - begin
+    write_profile(path, name, profiler, elapsed)
+
+
 def memory_plan_record(report) -> dict:
     """The layer plan and offload counters of a sloth system, for the result record."""
     out: dict = {}
@@ -281,8 +324,11 @@ def memory_plan_record(report) -> dict:
     return out
 
 
-def run_loop_system(system, workload: Workload, samples) -> dict:
-    """Train a loop system ``warmup_steps + timed_steps`` steps with fused AdamW; measure the timed ones."""
+def run_loop_system(system, workload: Workload, samples, profile_to: str | None = None) -> dict:
+    """Train a loop system ``warmup_steps + timed_steps`` steps with fused AdamW; measure the timed ones.
+
+    ``profile_to``: after them, the first timed step's batch once more under the profiler, its
+    table written there (:func:`profile_step`)."""
     device = bench_device()
     _reset_peaks(device)
     start = time.perf_counter()
@@ -340,6 +386,14 @@ def run_loop_system(system, workload: Workload, samples) -> dict:
         # estimates the share of the real step.
         result["replayed_step_ms"] = times[0] * 1e3
         result["gpu_busy_share_unprofiled"] = result["gpu_busy_ms"] / result["replayed_step_ms"]
+    if profile_to is not None and replay is not None:
+        profile_step(
+            lambda: (forward_backward(model, *replay), optimizer.step(), optimizer.zero_grad()),
+            device,
+            profile_to,
+            system.label,
+        )
+        result["profile"] = profile_to
     return result
 
 

@@ -72,8 +72,9 @@ OPTIONAL_PACKAGES = (
 )
 
 
-def measure(name: str, scenario: dict) -> dict:
-    """One system of one scenario, in this process: its record, guarded; errors become records."""
+def measure(name: str, scenario: dict, profile_to: str | None = None) -> dict:
+    """One system of one scenario, in this process: its record, guarded; errors become records.
+    ``profile_to``: a loop system's profiled step is written there (``run_loop_system``)."""
     workload = register_scenario(scenario)
     system = resolve(name)
     record: dict[str, Any] = {"system": name, "label": system.label}
@@ -82,7 +83,7 @@ def measure(name: str, scenario: dict) -> dict:
         if system.trainer is not None:
             record |= system.trainer(workload, samples)
         else:
-            record |= run_loop_system(system, workload, samples)
+            record |= run_loop_system(system, workload, samples, profile_to)
     except Exception as err:  # a system that cannot run is a result, not the end of the suite
         message = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         oom = "out of memory" in str(err).lower()
@@ -176,7 +177,7 @@ def worker_main(task_path: str, out_path: str) -> None:
     if task["kind"] == "probe":
         out = probe_environment(task["probe_size"], task["probe_iters"])
     else:
-        out = measure(task["system"], task["scenario"])
+        out = measure(task["system"], task["scenario"], task.get("profile_to"))
     Path(out_path).write_text(json.dumps(out))
 
 
@@ -286,8 +287,11 @@ def run_suite(cfg) -> dict:
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
     scenario, names = cfg["scenario"], list(cfg["systems"]["names"])
-    for name in names:
+    profiled = list(cfg.get("profile") or [])
+    for name in names + profiled:
         resolve(name)  # unknown names fail before anything runs
+    if set(profiled) - set(names):
+        raise ValueError(f"profile={profiled} names systems the run does not measure: {names}")
     cold_start = bool(cfg.get("cold_start"))
     if cold_start and not cfg["isolate"]:
         raise ValueError("cold_start=true measures each system in fresh processes: it needs isolate=true")
@@ -315,6 +319,8 @@ def run_suite(cfg) -> dict:
     report = {"environment": env, "scenario": scenario, "workload": asdict(workload), "results": []}
     for name in names:
         task = {"kind": "system", "system": name, "scenario": scenario}
+        if name in profiled:
+            task["profile_to"] = str(out.with_name(f"profile_{scenario['name']}_{tag}_{name}.txt"))
         begin = time.perf_counter()
         if cold_start:
             preamble = resolve(name).preamble
@@ -326,7 +332,7 @@ def run_suite(cfg) -> dict:
                 task, preamble, timeout, process_env
             )
         else:
-            record = measure(name, scenario)
+            record = measure(name, scenario, task.get("profile_to"))
         record["wall_s"] = time.perf_counter() - begin  # the whole system: process, build, every step
         add_mfu(record, env)
         report["results"].append(record)
