@@ -24,6 +24,7 @@ HEADLINE_COLUMNS = {
     "unsloth_packed": "Unsloth",
     "sloth_kernels": "lightning_sloth",
     "sloth_kernels_offload": "lightning_sloth + offload",
+    "sloth_kernels_planned": "lightning_sloth (memory plan for the whole card)",
 }
 """Column titles by the column's first system (else the system's label)."""
 
@@ -134,8 +135,8 @@ def render_headline(reports: list[dict], sources: list[str], params: dict) -> st
 
 def plot_headline(reports: list[dict], sources: list[str], params: dict, path: Path) -> None:
     """A PNG of the headline block: per scenario, real tokens/s of each column's system (bars) with
-    its peak allocated GiB written beside the bar; a marked cell is labelled by its own system,
-    with its letter from the table."""
+    its peak allocated GiB written beside the bar; a marked cell is labelled by its own system (the
+    label up to its first parenthesis) with its letter from the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,8 +158,10 @@ def plot_headline(reports: list[dict], sources: list[str], params: dict, path: P
         values = [tokens_per_s(record) for _, (_, record) in shown]
         colors = ["#2a7ab9" if system.startswith("sloth") else "#8a8a8a" for _, (system, _) in shown]
         axis.barh(y, values, color=colors)
-        labels = [  # a cell of another system than the column's first: that system's own label
-            f"{system_label({'system': system})} ({marks[system]})" if system in marks else t
+        # a cell of another system than the column's first: that system's label up to its first
+        # parenthesis, with its letter (the table's note under it gives the whole label)
+        labels = [
+            f"{system_label({'system': system}).split(' (')[0]} ({marks[system]})" if system in marks else t
             for t, (system, _) in shown
         ]
         axis.set_yticks(y, labels, fontsize=8)
