@@ -222,6 +222,51 @@ def test_fused_lora_forward_matches_peft_module():
     assert layer.base_layer.weight.grad is None
 
 
+@pytest.mark.parametrize("bias_trainable", [False, True])
+def test_fused_lora_forward_adds_the_base_bias(bias_trainable):
+    """A base layer with a bias (Qwen2's q/k/v) fuses: the op's output plus the bias equals PEFT's
+    layer, with the input's, the adapter's and (where trainable) the bias's gradients."""
+    torch.manual_seed(0)
+    layer = _peft_layer(bias=True)
+    bias = layer.base_layer.bias
+    with torch.no_grad():
+        bias.normal_()
+    bias.requires_grad_(bias_trainable)
+    params = [layer.lora_A["default"].weight, layer.lora_B["default"].weight] + (
+        [bias] if bias_trainable else []
+    )
+    x = torch.randn(2, 9, IN)
+    grad_y = torch.randn(2, 9, OUT)
+    results = []
+    for forward in (layer, lambda inputs: fused_lora_forward(layer, inputs)):
+        inputs = x.clone().requires_grad_()
+        y = forward(inputs)
+        assert y is not None
+        grads = torch.autograd.grad(y, [inputs, *params], grad_y)
+        results.append((y.detach(), grads))
+    (expected, expected_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+
+
+def test_the_unread_sum_takes_a_frozen_base_bias_and_refuses_a_trainable_one():
+    """The recompute's unread sum (``residual + layer(x)`` for its backward only): a frozen bias
+    changes no gradient, so it fuses; a trainable one needs its own, so the caller's path runs."""
+    torch.manual_seed(0)
+    layer = _peft_layer(bias=True)
+    x, residual = torch.randn(2, 9, IN).requires_grad_(), torch.randn(2, 9, OUT).requires_grad_()
+    grad_y = torch.randn(2, 9, OUT)
+    lora_b = layer.lora_B["default"].weight
+    out = fused_lora_forward(layer, x, unread_sum_with=residual)
+    got = torch.autograd.grad(out, (x, residual, lora_b), grad_y)
+    expected = torch.autograd.grad(residual + layer(x), (x, residual, lora_b), grad_y)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    layer.base_layer.bias.requires_grad_(True)
+    assert fused_lora_forward(layer, x, unread_sum_with=residual) is None
+
+
 def test_fused_lora_forward_bf16_base_with_fp32_adapters():
     layer = _peft_layer(dtype=torch.bfloat16)  # PEFT keeps the adapters in float32
     lora_a = layer.lora_A["default"].weight
@@ -253,11 +298,10 @@ def test_fused_lora_forward_under_autocast():
     "make",
     [
         lambda: _peft_layer(lora_dropout=0.1),
-        lambda: _peft_layer(bias=True),
         lambda: _peft_layer(use_dora=True),
         lambda: _peft_layer(lora_bias=True),
     ],
-    ids=["dropout", "base-bias", "dora", "lora-bias"],
+    ids=["dropout", "dora", "lora-bias"],
 )
 def test_fused_lora_forward_falls_back(make):
     assert fused_lora_forward(make(), torch.randn(3, IN)) is None

@@ -28,9 +28,12 @@ def _plain_weight(tensor: Tensor) -> bool:
     return type(tensor) in (Tensor, nn.Parameter) and tensor.is_floating_point()
 
 
-def plain_parts(module: nn.Module) -> tuple[str, nn.Linear, nn.Module, nn.Module] | None:
+def plain_parts(
+    module: nn.Module, allow_base_bias: bool = False
+) -> tuple[str, nn.Linear, nn.Module, nn.Module] | None:
     """``(adapter, base, lora_A, lora_B)`` of a ``lora.Linear`` in the plain case, else None (the
-    checks :func:`fused_lora_forward` documents).
+    checks :func:`fused_lora_forward` documents). ``allow_base_bias``: a base layer with a bias
+    passes too (for callers that add it themselves; the adapter's own layers never have one).
 
     PEFT's state is read from the layer's own dicts: its properties and ``nn.Module.__getattr__``
     cost more host time per call than a small layer's products.
@@ -58,7 +61,8 @@ def plain_parts(module: nn.Module) -> tuple[str, nn.Linear, nn.Module, nn.Module
     while "base_layer" in base._modules:  # a tuner layer around another (PEFT's get_base_layer)
         base = base._modules["base_layer"]
     if not isinstance(base, nn.Linear) or any(
-        m._parameters.get("bias") is not None for m in (base, lora_a, lora_b)
+        m._parameters.get("bias") is not None
+        for m in ((lora_a, lora_b) if allow_base_bias else (base, lora_a, lora_b))
     ):
         return None
     return adapter, base, lora_a, lora_b
@@ -70,9 +74,10 @@ def fused_lora_forward(
     """Forward of a PEFT ``peft.tuners.lora.Linear`` through :func:`lora_linear`, or None to fall back.
 
     Handles the plain case only: one active adapter, unmerged and enabled, on an ``nn.Linear`` base
-    without bias, with a frozen unquantized weight, no dropout (``lora_dropout`` is ``Identity``), no
-    DoRA or other LoRA variant and no LoRA bias. Anything else returns None, and the caller runs the
-    module's own forward. Every call checks the layer's state afresh.
+    with a frozen unquantized weight, no dropout (``lora_dropout`` is ``Identity``), no DoRA or other
+    LoRA variant and no LoRA bias. Anything else returns None, and the caller runs the module's own
+    forward. Every call checks the layer's state afresh. A base bias (Qwen2's q/k/v) is added to the
+    op's output in the compute dtype.
 
     The product runs in the base layer's compute dtype: the autocast dtype under autocast (as
     ``nn.Linear`` would), else the base weight's dtype (which x must have). Adapters stored in another
@@ -89,7 +94,7 @@ def fused_lora_forward(
     Returns:
         ``[..., out]`` output, or None if the module is not in the plain case.
     """
-    parts = plain_parts(module)
+    parts = plain_parts(module, allow_base_bias=True)
     if parts is None:
         return None
     resolved = compute_parts(module, parts, x)
@@ -104,10 +109,14 @@ def fused_lora_forward(
     # What lora_linear checks holds here (one dtype after the casts, frozen base); casts only when needed.
     casts = getattr(ADAPTER_CASTS, "copies", None)
     tensors = [t if t.dtype == dtype else cast_adapter(t, dtype, casts) for t in (x, weight, a, b)]
+    bias = parts[1]._parameters.get("bias")
     if residual is not None:
+        if bias is not None and bias.requires_grad:
+            return None
+        # A frozen bias moves the unread sum's values only, and nothing reads them.
         return UnreadSum.apply(residual, *tensors, float(scale), overwrite_input)
     y, _ = call(lora_linear_op, *tensors, float(scale), overwrite_input)
-    return y
+    return y if bias is None else y + (bias if bias.dtype == dtype else bias.to(dtype))
 
 
 def compute_parts(module: nn.Module, parts: tuple, x: Tensor):
@@ -187,7 +196,7 @@ def _layer_adapters(modules: Sequence[nn.Module]) -> list[Tensor]:
     """The A and B weights of the plain-case LoRA layers among ``modules`` (see :func:`plain_parts`)."""
     weights = []
     for module in modules:
-        parts = plain_parts(module)
+        parts = plain_parts(module, allow_base_bias=True)
         if parts is not None:
             weights += [parts[2]._parameters["weight"], parts[3]._parameters["weight"]]
     return weights

@@ -347,7 +347,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | Any = None) -> Pa
     if lora_fallbacks:
         report.skipped["lora"] = (
             f"{len(lora_fallbacks)} lora.Linear layer(s) outside the fused op's plain case (dropout, "
-            f"DoRA, base bias, quantized base, ...) run PEFT's forward, e.g. {lora_fallbacks[0]}"
+            f"DoRA, LoRA bias, quantized base, ...) run PEFT's forward, e.g. {lora_fallbacks[0]}"
         )
     if foreign:
         report.skipped["foreign"] = f"{foreign} module(s) already had another library's instance forward"

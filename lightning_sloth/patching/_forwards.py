@@ -582,7 +582,7 @@ def lora_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -
         if out is not None:
             return out
     _log_once(
-        "fused LoRA: a lora.Linear is outside the fused op's plain case (dropout, DoRA, bias, "
+        "fused LoRA: a lora.Linear is outside the fused op's plain case (dropout, DoRA, LoRA bias, "
         "quantized or merged base, several adapters, ...); those layers run PEFT's forward"
     )
     return type(self).forward(self, x, *args, **kwargs)
