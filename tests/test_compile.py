@@ -61,6 +61,7 @@ def forward_backward(block, hidden, kwargs, grad_out, call=None):
 BLOCK_CASES = [
     ("llama", True, "block", ("rms_norm", "rope", "swiglu", "lora_linear")),
     ("qwen3", True, "block", ("rms_norm", "rope", "swiglu", "lora_linear")),
+    ("qwen2", True, "block", ("rms_norm", "rope", "swiglu", "lora_linear")),  # q/k/v with a bias
     ("gemma3_text", False, "block", ("rms_norm", "rope", "geglu")),
     ("gpt_oss", False, "self_attn", ("rope",)),
 ]

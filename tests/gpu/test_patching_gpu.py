@@ -11,14 +11,25 @@ import _models  # tests/_models.py: tests/ is on sys.path through tests/conftest
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lightning_sloth.ops.registry import TRITON_OPS
 from lightning_sloth.patching import apply_kernels, compile_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),  # q/k/v with a bias: fused LoRA adds it after the op
+}
 SMALL = dict(
     vocab_size=4099,
     hidden_size=256,
@@ -46,13 +57,13 @@ def _strict_fp32_and_fresh_compile():
 
 
 def build(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """float32 CUDA model in train mode, norm weights moved off their init value."""
+    """float32 CUDA model in train mode, norm weights and biases moved off their init value."""
     config_class, model_class = FAMILIES[model_type]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**SMALL, **overrides})).cuda()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 param.add_(0.2 * torch.randn_like(param))
     return model.train()
 
@@ -79,7 +90,7 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2"])
 def test_bf16_patched_model_matches_transformers(model_type, lora, precision):
     """Loss within 1e-2 of float32; every gradient as close to float32 as transformers' bf16 one.
 
@@ -92,7 +103,7 @@ def test_bf16_patched_model_matches_transformers(model_type, lora, precision):
     if precision == "bf16-true":
         theirs, ours = theirs.to(torch.bfloat16), ours.to(torch.bfloat16)
     report = apply_kernels(ours)
-    assert report.counts["rms_norm"] == (9 if model_type == "llama" else 17)
+    assert report.counts["rms_norm"] == (17 if model_type == "qwen3" else 9)
     assert report.counts["lora"] == (28 if lora else 0)
 
     inputs = batch(SMALL["vocab_size"])
@@ -155,7 +166,7 @@ def test_compile_blocks_with_triton_ops_trains_like_eager(checkpointing):
         assert rel(grads[name], expected) <= 3e-2, name
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2"])
 def test_patched_block_is_one_graph_of_triton_ops(model_type):
     model = _models.add_lora(build(model_type)).to(torch.bfloat16)
     apply_kernels(model)
