@@ -34,9 +34,9 @@ OPS = (
     "rms_norm_gated",
     "mla",
 )
+"""The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
 SETTINGS = (*OPS, "glu_lora")
 """Every field of :class:`KernelSettings`: the ops, and ``glu_lora`` (a modifier of ``glu``)."""
-"""The ops :func:`apply_kernels` can install, in report order (the :class:`KernelSettings` fields)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ class KernelSettings:
             LoRA parts are added inside the activation's kernel (``sloth::swiglu_lora``,
             :mod:`lightning_sloth.patching.glu_lora_forwards`) instead of into the two base products
             by passes of their own (the 8B FP8 step 1.03x faster on the H100, docs/benchmarks.md).
-            Elsewhere it changes nothing. Not an op of :data:`OPS`: on unless a mapping sets it off (``{"glu_lora":
-            False}``); ``False`` and op-name lists that leave out ``glu`` leave nothing for it to modify.
+            Elsewhere it changes nothing. Not an op of :data:`OPS`: on unless a mapping sets it off
+            (``{"glu_lora": False}``); ``False`` and op-name lists that leave out ``glu`` leave
+            nothing for it to modify.
     """
 
     rms_norm: bool = True

@@ -1,6 +1,6 @@
 """The gated RMSNorm after a Gated DeltaNet layer's delta rule (``Qwen3_5RMSNormGated`` and its
 Qwen3.5-MoE / Qwen3-Next copies) through ``sloth::rms_norm_gated``
-(``KernelSettings(rms_norm_gated=True)``): one pass each way in the module's cast order, instead of
+(``KernelSettings.rms_norm_gated``, on by default): one pass each way in the module's cast order, instead of
 its dozen elementwise kernels and their fp32 intermediates kept for the backward."""
 
 from __future__ import annotations
