@@ -26,8 +26,14 @@ shapes, JSON under ``$OUT`` when set (else ``benchmarks/results/``) and a short 
 
     python benchmarks/moe_bench.py --fused
 
-``--fused-tiles BM,BN,BK,WARPS,STAGES`` overrides the fused kernels' tile sizes on 16-bit operands
-(to sweep them on a new GPU).
+``--fused-tiles BM,BN,BK,WARPS,STAGES`` overrides the fused grouped GEMMs' tile sizes on 16-bit
+operands, ``--wgrad-tiles BA,BB,BR,WARPS,STAGES`` the fused weight gradient's. Either takes several
+configurations separated by ``;``: then the first of each runs the systems as above, and every other
+one re-times ``sloth_fused`` on the same block, input and gradient (one knob moved at a time), with its
+output's difference to ``grouped_mm``; the report's ``sweep`` lists them and ``sweep_best`` names the
+fastest (to pick the tiles for a new GPU)::
+
+    python benchmarks/moe_bench.py --fused --timed 10 --fused-tiles "128,128,64,8,3;128,256,64,8,3;64,128,64,4,4" --wgrad-tiles "128,128,64,8,3;128,64,128,4,3"
 """
 
 from __future__ import annotations
@@ -169,6 +175,35 @@ def profile(block, x, grad, path: str, title: str) -> None:
         f.write("\n")
 
 
+def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
+    """``"a,b,c,d,e;..."`` -> a list of 5-tuples (``None`` for the default: no text, or ``default``)."""
+    if not text:
+        return [None]
+    configs = []
+    for part in text.split(";"):
+        part = part.strip()
+        if part in ("", "default"):
+            configs.append(None)
+            continue
+        values = tuple(int(v) for v in part.split(","))
+        if len(values) != 5:
+            raise ValueError(f"a tile configuration has five integers (sizes, warps, stages), got {part!r}")
+        configs.append(values)
+    return configs
+
+
+def _set_tiles(tiles: tuple[int, ...] | None, wgrad: tuple[int, ...] | None) -> None:
+    from lightning_sloth.kernels import moe_fused
+
+    moe_fused.TILES, moe_fused.WGRAD_TILES = tiles, wgrad
+
+
+def _variants(fused_tiles: str | None, wgrad_tiles: str | None) -> list[tuple]:
+    """The first configuration of each knob, then every other one with the other knob at its first."""
+    tiles, wgrad = _tiles(fused_tiles), _tiles(wgrad_tiles)
+    return [(tiles[0], wgrad[0])] + [(t, wgrad[0]) for t in tiles[1:]] + [(tiles[0], w) for w in wgrad[1:]]
+
+
 def run_case(
     shape: str,
     mode: str,
@@ -177,6 +212,7 @@ def run_case(
     warmup: int,
     timed: int,
     profile_path: str | None = None,
+    variants: list[tuple] | None = None,
 ) -> dict:
     block = _block(shape)
     for param in block.parameters():
@@ -215,6 +251,32 @@ def run_case(
         for name, other in (("grouped_mm", grouped), ("sloth", ours)):
             if "median_ms" in other:
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
+    if variants and len(variants) > 1:
+        sweep = []
+        for tiles, wgrad in variants:
+            entry = {"tiles": tiles, "wgrad_tiles": wgrad}
+            _set_tiles(tiles, wgrad)
+            _select(block, "sloth_fused")
+            try:
+                with torch.no_grad():
+                    out = block(x)
+                out = (out[0] if isinstance(out, tuple) else out).float()
+                entry.update(measure(block, x, grad, warmup, timed))
+                if reference is not None:
+                    entry["rel_diff_vs_grouped_mm"] = float((out - reference).norm() / reference.norm())
+            except Exception as error:  # a tile too large for shared memory, out of memory
+                entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            torch.cuda.empty_cache()
+            print(shape, mode, "sloth_fused", entry, flush=True)
+            sweep.append(entry)
+        _set_tiles(*variants[0])
+        results["sweep"] = sweep
+        timed_ok = [e for e in sweep if "median_ms" in e]
+        if timed_ok:
+            best = min(timed_ok, key=lambda e: e["median_ms"])
+            results["sweep_best"] = best
+            if "median_ms" in grouped:
+                results["sweep_best_speedup_vs_grouped_mm"] = grouped["median_ms"] / best["median_ms"]
     nf4 = results.get("sloth_nf4", {})
     if "median_ms" in nf4 and "median_ms" in ours:
         results["nf4_time_ratio_vs_sloth_bf16"] = nf4["median_ms"] / ours["median_ms"]
@@ -235,6 +297,10 @@ def summary(report: dict) -> str:
         ratios = [result.get(f"fused_speedup_vs_{n}") for n in ("grouped_mm", "sloth")]
         tail = " / ".join("-" if r is None else f"{r:.2f}x" for r in ratios)
         lines.append(case.ljust(26) + cells + "  " + tail)
+        for entry in result.get("sweep", []):
+            label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
+            value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
+            lines.append(label.ljust(60) + value)
     return "\n".join(lines)
 
 
@@ -254,7 +320,12 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help=f"the fused-permutation comparison: --modes lora --systems {FUSED_SYSTEMS} unless given",
     )
-    parser.add_argument("--fused-tiles", default=None, help="BM,BN,BK,WARPS,STAGES of the fused kernels")
+    parser.add_argument(
+        "--fused-tiles", default=None, help="BM,BN,BK,WARPS,STAGES of the fused grouped GEMMs; several: ';'"
+    )
+    parser.add_argument(
+        "--wgrad-tiles", default=None, help="BA,BB,BR,WARPS,STAGES of the fused weight gradient; several: ';'"
+    )
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default=None, help="frozen,lora (--fused: lora)")
@@ -269,10 +340,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.modes = args.modes or ("lora" if args.fused else "frozen,lora")
     args.systems = args.systems or (FUSED_SYSTEMS if args.fused else "eager,grouped_mm,sloth")
     args.out = args.out or _default_out(args.fused)
-    if args.fused_tiles:
-        from lightning_sloth.kernels import moe_fused
-
-        moe_fused.TILES = tuple(int(v) for v in args.fused_tiles.split(","))
+    try:
+        variants = _variants(args.fused_tiles, args.wgrad_tiles)
+    except ValueError as error:
+        parser.error(str(error))
+    _set_tiles(*variants[0])
     wanted = args.systems.split(",")
     unknown = sorted(set(wanted) - set(SYSTEMS))
     if unknown:
@@ -283,6 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
         "environment": environment(),
         "tokens": args.tokens,
         "fused_tiles": args.fused_tiles,
+        "wgrad_tiles": args.wgrad_tiles,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
         "results": {},
@@ -290,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     for shape in args.shapes.split(","):
         for mode in args.modes.split(","):
             report["results"][f"{shape}/{mode}"] = run_case(
-                shape, mode, args.tokens, systems, args.warmup, args.timed, args.profile
+                shape, mode, args.tokens, systems, args.warmup, args.timed, args.profile, variants
             )
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

@@ -30,11 +30,15 @@ import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
 from lightning_sloth.kernels.moe import _ROW_BLOCK, _tile_table
 
-__all__ = ["TILES", "grouped_mm", "grouped_mm_weight_grad", "slot_dot", "slot_sum"]
+__all__ = ["TILES", "WGRAD_TILES", "grouped_mm", "grouped_mm_weight_grad", "slot_dot", "slot_sum"]
 
 TILES: tuple[int, int, int, int, int] | None = None
 """``(BM, BN, BK, num_warps, num_stages)`` for 16-bit CUDA operands instead of the built-in choice
 (a benchmark's sweep sets it; None keeps the default)."""
+
+WGRAD_TILES: tuple[int, int, int, int, int] | None = None
+"""``(BA, BB, BR, num_warps, num_stages)`` of the weight-gradient kernel for 16-bit CUDA operands
+(a benchmark's sweep sets it; None keeps the default). BA and BB shrink to a rank-r side."""
 
 
 def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> tuple[int, int, int, int, int]:
@@ -292,9 +296,11 @@ def grouped_mm_weight_grad(
     if (a_scale is not None and a_idx is None) or (b_scale is not None and b_idx is None):
         raise ValueError("grouped_mm_weight_grad: a per-row scale is read through the operand's index")
     big = a.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
-    block_a = max(16, min(128 if big else 64, triton.next_power_of_2(n_a)))
-    block_b = max(16, min(128 if big else 64, triton.next_power_of_2(n_b)))
-    block_r = 64 if big else 32
+    tile_a, tile_b, block_r, warps, stages = (
+        (WGRAD_TILES or (128, 128, 64, 8, 3)) if big else (64, 64, 32, 4, 2)
+    )
+    block_a = max(16, min(tile_a, triton.next_power_of_2(n_a)))
+    block_b = max(16, min(tile_b, triton.next_power_of_2(n_b)))
     grid = (triton.cdiv(n_a, block_a) * triton.cdiv(n_b, block_b), experts)
     launchable(_indexed_weight_grad_kernel)[grid](
         a, b, out, ends, a_idx if a_idx is not None else ends, a_scale if a_scale is not None else out,
@@ -303,7 +309,7 @@ def grouped_mm_weight_grad(
         BA=block_a, BB=block_b, BR=block_r, A_INDEXED=a_idx is not None, A_SCALED=a_scale is not None,
         A_SLOTS=a_idx is not None, B_INDEXED=b_idx is not None, B_SCALED=b_scale is not None,
         B_SLOTS=b_idx is not None,
-        num_warps=8 if big else 4, num_stages=3 if big else 2,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

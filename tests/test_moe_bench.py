@@ -1,0 +1,34 @@
+"""benchmarks/moe_bench.py's pure parts on the CPU: the tile sweep's configurations."""
+
+import pytest
+from _scripts import benchmark_script
+
+bench = benchmark_script("moe_bench")
+
+
+def test_tile_configurations_parse_and_default():
+    assert bench._tiles(None) == [None]
+    assert bench._tiles("default; 128,256,64,8,3") == [None, (128, 256, 64, 8, 3)]
+    with pytest.raises(ValueError, match="five integers"):
+        bench._tiles("128,128,64")
+
+
+def test_the_sweep_moves_one_knob_at_a_time():
+    variants = bench._variants("128,128,64,8,3;64,128,64,4,4", "default;128,64,128,4,3")
+    assert variants == [
+        ((128, 128, 64, 8, 3), None),
+        ((64, 128, 64, 4, 4), None),
+        ((128, 128, 64, 8, 3), (128, 64, 128, 4, 3)),
+    ]
+    assert bench._variants(None, None) == [(None, None)]
+
+
+def test_the_knobs_reach_the_kernels_module():
+    from lightning_sloth.kernels import moe_fused
+
+    try:
+        bench._set_tiles((64, 64, 32, 4, 2), (32, 32, 16, 4, 2))
+        assert moe_fused.TILES == (64, 64, 32, 4, 2) and moe_fused.WGRAD_TILES == (32, 32, 16, 4, 2)
+    finally:
+        bench._set_tiles(None, None)
+    assert moe_fused.TILES is None and moe_fused.WGRAD_TILES is None
