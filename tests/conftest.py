@@ -5,10 +5,16 @@ The CPU suite runs in two worker processes (``-n 2 --dist loadfile``: pytest-xdi
 files). The files that run the app and several processes take minutes each; started last, one
 worker would run them alone at the end, so they are collected first and handed out in that order
 (xdist would otherwise order the files by their number of tests).
+
+``LIGHTNING_SLOTH_TEST_AUTOTUNE=first`` cuts Triton's autotuning to the first configuration that runs
+(``tests/_autotune.py``): for the GPU tests on a fresh machine.
 """
+
+import os
 
 import pytest
 import torch
+from _autotune import ENV, first_working_config
 
 from lightning_sloth.attention import (
     get_packed_attention_backend,
@@ -24,6 +30,8 @@ LONGEST_FIRST = ("test_readme.py", "test_fsdp.py", "test_offload.py", "test_resu
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present
         config.option.loadscopereorder = False
+    if os.environ.get(ENV) == "first":  # the GPU tests on a fresh machine: see tests/_autotune.py
+        first_working_config()
 
 
 @pytest.fixture(autouse=True)
