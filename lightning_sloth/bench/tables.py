@@ -22,7 +22,7 @@ EXTRA_LABELS = {
     "sloth_nf4_offload_mlp8k": 'lightning_sloth, quantize="nf4" + offload="on", MLP in 8,192-token chunks',
     "hf_packed_flex": "transformers + PEFT, packed rows, its FlexAttention",
     "sloth_kernels_planned_gated_norm": "lightning_sloth + memory plan for the whole card + the gated RMSNorm op "
-    '(kernels={"rms_norm_gated": True}, on by default since)',
+    '(kernels={"rms_norm_gated": True}, on by default since commit f421e16)',
 }
 
 
