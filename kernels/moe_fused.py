@@ -24,6 +24,8 @@ so nothing reads a count on the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,11 +43,22 @@ WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 (a benchmark's sweep sets it; None keeps the default). BA and BB shrink to a rank-r side."""
 
 
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may opt into (4 pipeline stages of 128x64 and 64x256 bf16 tiles
+    need 192 KiB: Hopper's 227, not Ampere's 163)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
 def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> tuple[int, int, int, int, int]:
     """``(BM, BN, BK, num_warps, num_stages)``: Hopper-sized tiles for 16-bit CUDA operands, small ones
     elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side."""
     big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    bm, bn, bk, warps, stages = (TILES or (128, 128, 64, 8, 3)) if big else (64, 64, 32, 4, 2)
+    if not big:
+        bm, bn, bk, warps, stages = 64, 64, 32, 4, 2
+    else:  # the H100 sweep's best (benchmarks/results/moe_fused_sweep2_h100.json); 3 stages fit 164 KiB
+        stages = 4 if _shared_memory(device) >= 200 * 1024 else 3
+        bm, bn, bk, warps, stages = TILES or (128, 256, 64, 8, stages)
     bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
     bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
     return bm, bn, bk, warps, stages
