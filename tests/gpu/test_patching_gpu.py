@@ -115,9 +115,15 @@ def test_bf16_patched_model_matches_transformers(model_type, lora, precision):
     assert abs(our_loss - ref_loss) / ref_loss <= 1e-2
     assert abs(our_loss - their_loss) / their_loss <= 1e-2
     assert our_grads.keys() == ref_grads.keys()
+    # Typically as close as transformers' (the median ratio of errors over 4 seeds: 0.93-1.08); a single
+    # small lora_A gradient reaches 2.0x theirs in the tail, biased or not (o_proj, gate_proj):
+    # benchmarks/results/qwen2_bias_grad_ratio_h100.json.
+    ratios = []
     for name, expected in ref_grads.items():
         ours_err, theirs_err = rel(our_grads[name], expected), rel(their_grads[name], expected)
-        assert ours_err <= max(2 * theirs_err, 2e-2), (name, ours_err, theirs_err)
+        assert ours_err <= max(2.5 * theirs_err, 2e-2), (name, ours_err, theirs_err)
+        ratios.append(ours_err / max(theirs_err, 1e-12))
+    assert sorted(ratios)[len(ratios) // 2] <= 1.25, sorted(ratios)
 
 
 def test_fused_loss_never_holds_the_logits():
