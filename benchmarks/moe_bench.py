@@ -34,6 +34,13 @@ output's difference to ``grouped_mm``; the report's ``sweep`` lists them and ``s
 fastest (to pick the tiles for a new GPU)::
 
     python benchmarks/moe_bench.py --fused --timed 10 --fused-tiles "128,128,64,8,3;128,256,64,8,3;64,128,64,4,4" --wgrad-tiles "128,128,64,8,3;128,64,128,4,3"
+
+``--down-rank-max R;R2`` is a third knob of the same kind: the largest LoRA rank whose down product
+runs inside the main grouped GEMM (``lightning_sloth.moe.indexed.DOWN_IN_KERNEL_MAX_RANK``; 0: the
+separate rank-r passes), e.g. ``--down-rank-max "32;0"`` times the one-pass LoRA against the
+separate passes in one process::
+
+    python benchmarks/moe_bench.py --fused --timed 10 --down-rank-max "32;0"
 """
 
 from __future__ import annotations
@@ -192,16 +199,38 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
     return configs
 
 
-def _set_tiles(tiles: tuple[int, ...] | None, wgrad: tuple[int, ...] | None) -> None:
+_DEFAULT_DOWN_RANK_MAX = None
+
+
+def _set_tiles(tiles: tuple[int, ...] | None, wgrad: tuple[int, ...] | None, down: int | None = None) -> None:
+    global _DEFAULT_DOWN_RANK_MAX
     from lightning_sloth.kernels import moe_fused
 
+    from lightning_sloth.moe import indexed
+
     moe_fused.TILES, moe_fused.WGRAD_TILES = tiles, wgrad
+    if _DEFAULT_DOWN_RANK_MAX is None:
+        _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
+    indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
 
 
-def _variants(fused_tiles: str | None, wgrad_tiles: str | None) -> list[tuple]:
-    """The first configuration of each knob, then every other one with the other knob at its first."""
-    tiles, wgrad = _tiles(fused_tiles), _tiles(wgrad_tiles)
-    return [(tiles[0], wgrad[0])] + [(t, wgrad[0]) for t in tiles[1:]] + [(tiles[0], w) for w in wgrad[1:]]
+def _ranks(text: str | None) -> list[int | None]:
+    """``"32;0"`` -> ``[32, 0]`` (``None`` for the default: no text, or ``default``)."""
+    if not text:
+        return [None]
+    return [None if part.strip() in ("", "default") else int(part) for part in text.split(";")]
+
+
+def _variants(fused_tiles: str | None, wgrad_tiles: str | None, down_ranks: str | None = None) -> list[tuple]:
+    """The first configuration of each knob, then every other one with the other knobs at their first."""
+    tiles, wgrad, down = _tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks)
+    first = (tiles[0], wgrad[0], down[0])
+    return (
+        [first]
+        + [(t, wgrad[0], down[0]) for t in tiles[1:]]
+        + [(tiles[0], w, down[0]) for w in wgrad[1:]]
+        + [(tiles[0], wgrad[0], d) for d in down[1:]]
+    )
 
 
 def run_case(
@@ -253,9 +282,9 @@ def run_case(
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
     if variants and len(variants) > 1:
         sweep = []
-        for tiles, wgrad in variants:
-            entry = {"tiles": tiles, "wgrad_tiles": wgrad}
-            _set_tiles(tiles, wgrad)
+        for tiles, wgrad, down in variants:
+            entry = {"tiles": tiles, "wgrad_tiles": wgrad, "down_rank_max": down}
+            _set_tiles(tiles, wgrad, down)
             _select(block, "sloth_fused")
             try:
                 with torch.no_grad():
@@ -299,6 +328,8 @@ def summary(report: dict) -> str:
         lines.append(case.ljust(26) + cells + "  " + tail)
         for entry in result.get("sweep", []):
             label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
+            if entry.get("down_rank_max") is not None:
+                label += f", down in kernel up to rank {entry['down_rank_max']}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
@@ -326,6 +357,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--wgrad-tiles", default=None, help="BA,BB,BR,WARPS,STAGES of the fused weight gradient; several: ';'"
     )
+    parser.add_argument(
+        "--down-rank-max",
+        default=None,
+        help="largest LoRA rank made inside the main GEMM (0: separate); several: ';'",
+    )
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default=None, help="frozen,lora (--fused: lora)")
@@ -341,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.systems = args.systems or (FUSED_SYSTEMS if args.fused else "eager,grouped_mm,sloth")
     args.out = args.out or _default_out(args.fused)
     try:
-        variants = _variants(args.fused_tiles, args.wgrad_tiles)
+        variants = _variants(args.fused_tiles, args.wgrad_tiles, args.down_rank_max)
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])
@@ -356,6 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens": args.tokens,
         "fused_tiles": args.fused_tiles,
         "wgrad_tiles": args.wgrad_tiles,
+        "down_rank_max": args.down_rank_max,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
         "results": {},

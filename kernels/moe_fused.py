@@ -66,12 +66,14 @@ def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> t
 
 @triton.jit
 def _indexed_grouped_mm_kernel(
-    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, n_out, n_in, n_in2, div,
+    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, DOWN, R_OUT,
+    n_out, n_in, n_in2, div, lora_scale,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-    stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n,
+    stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n, stride_de, stride_dk, stride_dr,
+    stride_rm, stride_rr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOAD_SLOTS: tl.constexpr, A_INDEXED: tl.constexpr,
     SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
-    HAS_X2: tl.constexpr, BK2: tl.constexpr,
+    HAS_X2: tl.constexpr, BK2: tl.constexpr, DOWN_IN_KERNEL: tl.constexpr, KEEP_SCALED: tl.constexpr,
 ):  # fmt: skip
     # N tiles vary fastest: the CTAs running together share one M tile's (gathered) rows and one
     # expert's weight in L2, instead of every N tile re-reading all rows from memory.
@@ -93,6 +95,10 @@ def _indexed_grouped_mm_kernel(
         else:
             a_rows = rows
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if DOWN_IN_KERNEL:  # the rank-r side x @ D_e from the same row tiles (BK2: the rank's block)
+            rs = tl.arange(0, BK2)
+            r_mask = rs < n_in2
+            acc_r = tl.zeros((BM, BK2), dtype=tl.float32)
         for k0 in range(0, n_in, BK):
             ks = k0 + tl.arange(0, BK)
             k_mask = ks < n_in
@@ -110,8 +116,41 @@ def _indexed_grouped_mm_kernel(
                 acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w.to(x.dtype), acc)
+            if DOWN_IN_KERNEL:
+                d = tl.load(
+                    DOWN + expert * stride_de + ks[:, None] * stride_dk + rs[None, :] * stride_dr,
+                    mask=k_mask[:, None] & r_mask[None, :],
+                    other=0.0,
+                )
+                if x.dtype == tl.float32:
+                    acc_r = tl.dot(x, d.to(tl.float32), acc_r, input_precision="ieee")
+                else:
+                    acc_r = tl.dot(x, d.to(x.dtype), acc_r)
         if SCALED:
-            acc = acc * tl.load(SCALE + slots, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            row_scale = tl.load(SCALE + slots, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            acc = acc * row_scale
+            if DOWN_IN_KERNEL:
+                acc_r = acc_r * row_scale
+        if DOWN_IN_KERNEL:
+            # The roundings of the separate passes: x @ D_e to x's dtype, then times the LoRA scale.
+            side = acc_r.to(X.dtype.element_ty)
+            x2 = (side.to(tl.float32) * lora_scale).to(X.dtype.element_ty)
+            if pid_n == 0:  # one column tile writes the rank-r rows the backward reads
+                kept = x2 if KEEP_SCALED else side
+                tl.store(
+                    R_OUT + rows[:, None] * stride_rm + rs[None, :] * stride_rr,
+                    kept,
+                    mask=row_mask[:, None] & r_mask[None, :],
+                )
+            w2 = tl.load(
+                W2 + expert * stride_w2e + rs[:, None] * stride_w2k + cols[None, :] * stride_w2n,
+                mask=r_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if x2.dtype == tl.float32:
+                acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x2, w2.to(x2.dtype), acc)
         if HAS_X2:  # the rank-r LoRA term into the same accumulator: no second pass over the output
             for k0 in range(0, n_in2, BK2):
                 ks = k0 + tl.arange(0, BK2)
@@ -160,6 +199,11 @@ def grouped_mm(
     w2: torch.Tensor | None = None,
     w2_is_kn: bool = False,
     covered: bool = False,
+    down: torch.Tensor | None = None,
+    down_is_kn: bool = False,
+    lora_scale: float = 1.0,
+    r_out: torch.Tensor | None = None,
+    keep_scaled: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM over ``S`` rows in expert order, operand rows and output rows through indices.
 
@@ -181,6 +225,12 @@ def grouped_mm(
         w2: ``[E, r, N]`` (``w2_is_kn``) or ``[E, N, r]``, with x2.
         covered: ``ends[-1] == S``, so every output row is written and a new output needs no zeroing
             (without it, rows past the last end are zero).
+        down: instead of x2, the LoRA side is computed in the same pass from the rows it reads:
+            ``side = scale(s) * x[aidx(s)] @ D_e`` rounded to x's dtype, ``x2 = side * lora_scale``
+            rounded again (the separate passes' roundings), for ``down`` ``[E, K, r]``
+            (``down_is_kn``) or ``[E, r, K]``, r <= 64; w2 is the up factor. No second pass over the
+            ``[S, K]`` rows.
+        r_out: ``[S, r]`` that receives ``x2`` (``keep_scaled``) or ``side``, with ``down``.
 
     Returns:
         out, ``[S, N]`` in x's dtype.
@@ -196,11 +246,31 @@ def grouped_mm(
     if scale is not None and a_idx is None:
         raise ValueError("grouped_mm: a per-row scale is read through a_idx")
     bm, bn, bk, warps, stages = _tiles(x.device, x.dtype, n_out, n_in)
-    n_in2 = x2.shape[1] if x2 is not None else 0
+    if down is not None:
+        if x2 is not None or w2 is None or r_out is None:
+            raise ValueError("grouped_mm: down goes with w2 and r_out, not x2")
+        n_in2 = down.shape[2] if down_is_kn else down.shape[1]
+        if not 0 < n_in2 <= 64 or r_out.shape != (n_rows, n_in2):
+            raise ValueError(f"grouped_mm: down's rank {n_in2} must be 1..64, r_out [S, r]")
+        stride_dk, stride_dr = (
+            (down.stride(1), down.stride(2)) if down_is_kn else (down.stride(2), down.stride(1))
+        )
+        down_strides = (down.stride(0), stride_dk, stride_dr, r_out.stride(0), r_out.stride(1))
+    else:
+        n_in2 = x2.shape[1] if x2 is not None else 0
+        down_strides = (0, 0, 0, 0, 0)
     bk2 = max(16, triton.next_power_of_2(max(n_in2, 1))) if n_in2 <= 64 else 64
-    if x2 is not None:
+    if down is not None and TILES is None and x.device.type == "cuda":
+        # the down factor's tile joins every pipeline stage: fewer stages where they would not fit
+        per_stage = (bm * bk + bk * bn + bk * bk2) * x.element_size()
+        while stages > 2 and stages * per_stage > _shared_memory(x.device) - 8192:
+            stages -= 1
+    if w2 is not None:
         stride_w2k, stride_w2n = (w2.stride(1), w2.stride(2)) if w2_is_kn else (w2.stride(2), w2.stride(1))
-        x2_strides = (x2.stride(0), x2.stride(1), w2.stride(0), stride_w2k, stride_w2n)
+        x2_strides = (
+            x2.stride(0) if x2 is not None else 0, x2.stride(1) if x2 is not None else 0,
+            w2.stride(0), stride_w2k, stride_w2n,
+        )  # fmt: skip
     else:
         x2_strides = (0, 0, 0, 0, 0)
     max_tiles = triton.cdiv(n_rows, bm) + experts
@@ -211,12 +281,13 @@ def grouped_mm(
         x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
         a_idx if a_idx is not None else ends, scale if scale is not None else out,
         out_idx if out_idx is not None else ends, x2 if x2 is not None else x, w2 if w2 is not None else w,
-        n_out, n_in, n_in2, div,
+        down if down is not None else w, r_out if r_out is not None else out,
+        n_out, n_in, n_in2, div, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0, *x2_strides,
+        bias.stride(0) if bias is not None else 0, *x2_strides, *down_strides,
         BM=bm, BN=bn, BK=bk, LOAD_SLOTS=a_idx is not None or scale is not None, A_INDEXED=a_idx is not None, SCALED=scale is not None,
         OUT_INDEXED=out_idx is not None, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
-        HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2,
+        HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2, DOWN_IN_KERNEL=down is not None, KEEP_SCALED=keep_scaled,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

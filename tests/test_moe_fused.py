@@ -365,6 +365,63 @@ def test_kernels_interpreted_indexed_weight_grad_and_slot_kernels():
     torch.testing.assert_close(kernels.slot_dot(dout, src, 3), (src.view(7, 3, 9) * dout[:, None]).sum(-1))
 
 
+@interpreted_only
+@pytest.mark.parametrize("rank, down_is_kn", [(3, False), (17, True)])
+@pytest.mark.parametrize("keep_scaled", [False, True])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_kernels_interpreted_lora_down_in_the_same_pass_equals_the_separate_passes(
+    rank, down_is_kn, keep_scaled, indexed
+):
+    """grouped_mm(down=...) computes the rank-r side from the rows it reads, with the separate passes'
+    roundings (float16 here: x @ D to x's dtype, times the scale, again), and writes the side once."""
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    top_k, n_in, n_out = 3, 21, 37
+    grouping, weights = _routing(7, 5, top_k, 2, used=[0, 2, 3])  # experts 1 and 4 without rows
+    gen = torch.Generator().manual_seed(3)
+    half = torch.float16
+    x = torch.randn(7 if indexed else 21, n_in, generator=gen).to(half)
+    w = torch.randn(5, n_out, n_in, generator=gen).to(half)
+    down = torch.randn(*((5, n_in, rank) if down_is_kn else (5, rank, n_in)), generator=gen).to(half)
+    up = torch.randn(5, n_out, rank, generator=gen).to(half) * 0.5
+    rows = dict(a_idx=grouping.perm, div=top_k, scale=weights.reshape(-1).float()) if indexed else {}
+    where = {} if indexed else dict(out_idx=grouping.perm)
+    side = kernels.grouped_mm(x, down, grouping.ends, down_is_kn, covered=True, **rows)
+    x2 = side * 0.25
+    want = kernels.grouped_mm(x, w, grouping.ends, False, x2=x2, w2=up, covered=True, **rows, **where)
+    got_side = torch.full_like(side, float("nan"))
+    got = kernels.grouped_mm(
+        x, w, grouping.ends, False, w2=up, covered=True, down=down, down_is_kn=down_is_kn,
+        lora_scale=0.25, r_out=got_side, keep_scaled=keep_scaled, **rows, **where,
+    )  # fmt: skip
+    torch.testing.assert_close(got_side, x2 if keep_scaled else side, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    # and against float64: rows through the permutation, the side rounded as the passes round it
+    rows64 = x.double()[grouping.perm // top_k] if indexed else x.double()
+    row_scale = weights.reshape(-1).double()[grouping.perm, None] if indexed else 1.0
+    d64 = down.double() if down_is_kn else down.double().transpose(1, 2)
+    full = torch.empty(21, n_out, dtype=torch.float64)
+    for e, s in enumerate(_slices(grouping.ends)):
+        side64 = (rows64[s] @ d64[e]) * (row_scale[s] if indexed else 1.0)
+        full[s] = (rows64[s] @ w.double()[e].t()) * (row_scale[s] if indexed else 1.0)
+        full[s] += ((side64.to(half).double() * 0.25).to(half).double()) @ up.double()[e].t()
+    expected = full if indexed else torch.empty_like(full).index_copy_(0, grouping.perm, full)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=2e-2)
+
+
+@interpreted_only
+def test_kernels_interpreted_lora_down_rank_is_checked():
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    grouping, _ = _routing(4, 2, 1, 0)
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    with pytest.raises(ValueError, match="rank 65 must be 1..64"):
+        kernels.grouped_mm(
+            x, w, grouping.ends, False, w2=torch.randn(2, 8, 65), down=torch.randn(2, 65, 8),
+            r_out=torch.empty(4, 65),
+        )  # fmt: skip
+
+
 def _slices(ends):
     start = 0
     for end in ends.tolist():

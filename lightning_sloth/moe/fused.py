@@ -39,8 +39,10 @@ from torch import Tensor
 
 from lightning_sloth.moe.gemm import _mm, _weight_grad
 from lightning_sloth.moe.indexed import bias_grad as _bias_grad
+from lightning_sloth.moe.indexed import down_in_kernel as _down_in_kernel
 from lightning_sloth.moe.indexed import expert_weight as _weight
 from lightning_sloth.moe.indexed import indexed_grouped_mm as _gemm
+from lightning_sloth.moe.indexed import indexed_lora_grouped_mm as _lora_gemm
 from lightning_sloth.moe.indexed import indexed_weight_grad as _wgrad
 from lightning_sloth.moe.indexed import slot_dot as _slot_dot
 from lightning_sloth.moe.indexed import slot_sum as _slot_sum
@@ -90,10 +92,8 @@ def _gather_op(
     if not lora_a.shape[1]:
         out = _gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids)
         return out, x.new_empty((perm.shape[0], 0))
-    xa = _gemm(x, lora_a, ends, False, a_idx=perm, div=top_k)
-    lora = dict(x2=xa * scale, w2=lora_b, w2_is_kn=False)
-    out = _gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids, **lora)
-    return out, xa
+    lora = dict(down=lora_a, down_is_kn=False, up=lora_b, up_is_kn=False, lora_scale=scale, keep_scaled=False)
+    return _lora_gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids, **lora)
 
 
 @_gather_op.register_fake
@@ -128,12 +128,21 @@ def _gather_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx [T, K], dW, dA, dB)``; dx sums each token's k rows (written in slot order) in fp32."""
     rank = lora_a.shape[1]
-    g = _mm(grad, lora_b, ends, w_is_kn=True) * scale if rank and (need_x or need_a) else None  # [S, r]
+    one_pass = need_x and _down_in_kernel(grad, rank)  # g made inside the input gradient's GEMM
+    g = None
+    if rank and (need_x or need_a) and not one_pass:
+        g = _mm(grad, lora_b, ends, w_is_kn=True) * scale  # [S, r]
     dx = grad.new_empty(0)
     if need_x:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
-        lora = dict(x2=g, w2=lora_a, w2_is_kn=True) if g is not None else {}
-        rows = _gemm(grad, w, ends, not transposed, out_idx=perm, **lora)  # slot order [S, K]
+        if one_pass:
+            lora = dict(
+                down=lora_b, down_is_kn=True, up=lora_a, up_is_kn=True, lora_scale=scale, keep_scaled=True
+            )
+            rows, g = _lora_gemm(grad, w, ends, not transposed, out_idx=perm, **lora)  # slot order [S, K]
+        else:
+            lora = dict(x2=g, w2=lora_a, w2_is_kn=True) if g is not None else {}
+            rows = _gemm(grad, w, ends, not transposed, out_idx=perm, **lora)  # slot order [S, K]
         dx = _slot_sum(rows, top_k, None)
     dw = grad.new_empty(0)
     if need_w:
@@ -260,8 +269,15 @@ def _combine_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out [T, N], y [S, N] in slot order, xa [S, r])``: ``out[t] = sum_j w[t, j] y[t k + j]`` (fp32)."""
     w = _weight(weight, absmax, code, blocksize, shape, a.dtype)
+    rank = lora_a.shape[1]
+    if _down_in_kernel(a, rank):  # xa made inside the GEMM from the rows it reads
+        lora = dict(
+            down=lora_a, down_is_kn=False, up=lora_b, up_is_kn=False, lora_scale=scale, keep_scaled=False
+        )
+        y, xa = _lora_gemm(a, w, ends, transposed, bias=bias, expert_ids=expert_ids, out_idx=perm, **lora)
+        return _slot_sum(y, top_k, weights), y, xa
     lora = {}
-    if lora_a.shape[1]:
+    if rank:
         xa = _mm(a, lora_a, ends, w_is_kn=False)
         lora = dict(x2=xa * scale, w2=lora_b, w2_is_kn=False)
     else:
@@ -314,14 +330,20 @@ def _combine_backward_op(
     rank = lora_a.shape[1]
     flat = None if weights is None else weights.reshape(-1)
     rows = dict(a_idx=perm, div=top_k, scale=flat)
+    one_pass = need_in and rank > 0  # g made inside the input gradient's GEMM (or as its first pass)
     g = None
-    if rank and (need_in or need_a):
+    if rank and (need_in or need_a) and not one_pass:
         g = _gemm(grad, lora_b, ends, True, **rows) * scale  # [S, r]
     da_in = grad.new_empty(0)
     if need_in:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
-        lora = dict(x2=g, w2=lora_a, w2_is_kn=True) if g is not None else {}
-        da_in = _gemm(grad, w, ends, not transposed, **rows, **lora)
+        if one_pass:
+            lora = dict(
+                down=lora_b, down_is_kn=True, up=lora_a, up_is_kn=True, lora_scale=scale, keep_scaled=True
+            )
+            da_in, g = _lora_gemm(grad, w, ends, not transposed, **rows, **lora)
+        else:
+            da_in = _gemm(grad, w, ends, not transposed, **rows)
     dweights = _slot_dot(grad, y, top_k).to(weights.dtype) if need_weights else grad.new_empty(0)
     idx = dict(a_idx=perm, a_div=top_k, a_scale=flat)
     dw = grad.new_empty(0)

@@ -24,8 +24,10 @@ if TRITON_OPS or _INTERPRETED:
 
 __all__ = [
     "bias_grad",
+    "down_in_kernel",
     "expert_weight",
     "indexed_grouped_mm",
+    "indexed_lora_grouped_mm",
     "indexed_weight_grad",
     "slot_dot",
     "slot_sum",
@@ -94,6 +96,62 @@ def indexed_grouped_mm(
         return out.copy_((out.to(compute) + prod.to(compute)).to(out.dtype))
     summed = out.index_select(0, out_idx).to(compute) + prod.to(compute)
     return out.index_copy_(0, out_idx, summed.to(out.dtype))
+
+
+DOWN_IN_KERNEL_MAX_RANK = 32
+"""Largest LoRA rank whose down product runs inside the main grouped GEMM on the kernel path (its
+``[BM, r]`` accumulator sits beside the main one); larger ranks make the separate pass."""
+
+
+def down_in_kernel(x: Tensor, rank: int) -> bool:
+    """Whether :func:`indexed_lora_grouped_mm` computes the rank-r side inside the main GEMM for x."""
+    return use_kernels(x) and 0 < rank <= DOWN_IN_KERNEL_MAX_RANK
+
+
+def indexed_lora_grouped_mm(
+    x: Tensor,
+    w: Tensor,
+    ends: Tensor,
+    w_is_kn: bool,
+    *,
+    down: Tensor,
+    down_is_kn: bool,
+    up: Tensor,
+    up_is_kn: bool,
+    lora_scale: float,
+    keep_scaled: bool,
+    a_idx: Tensor | None = None,
+    div: int = 1,
+    scale: Tensor | None = None,
+    bias: Tensor | None = None,
+    expert_ids: Tensor | None = None,
+    out_idx: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(out, side)``: :func:`indexed_grouped_mm` with the LoRA term ``x2 @ up_e`` whose rank-r input
+    is made from the same rows, ``side = scale(s) * x[aidx(s)] @ down_e`` (in x's dtype) and
+    ``x2 = side * lora_scale``; ``side`` is returned scaled (``keep_scaled``) or not.
+
+    On the kernel path, for a rank up to :data:`DOWN_IN_KERNEL_MAX_RANK`, one pass: the rows are read
+    once for both products (the separate pass reads all ``[S, K]`` of them again for r columns). The
+    roundings are the separate passes', which run otherwise.
+    """
+    rank = down.shape[2] if down_is_kn else down.shape[1]
+    n_rows = a_idx.shape[0] if a_idx is not None else x.shape[0]
+    if down_in_kernel(x, rank):
+        side = x.new_empty((n_rows, rank))
+        out = _kernels.grouped_mm(
+            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out_idx=out_idx,
+            w2=up, w2_is_kn=up_is_kn, covered=True, down=down, down_is_kn=down_is_kn,
+            lora_scale=lora_scale, r_out=side, keep_scaled=keep_scaled,
+        )  # fmt: skip
+        return out, side
+    side = indexed_grouped_mm(x, down, ends, down_is_kn, a_idx=a_idx, div=div, scale=scale)
+    x2 = side * lora_scale
+    out = indexed_grouped_mm(
+        x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, expert_ids=expert_ids,
+        out_idx=out_idx, x2=x2, w2=up, w2_is_kn=up_is_kn,
+    )  # fmt: skip
+    return out, (x2 if keep_scaled else side)
 
 
 def indexed_weight_grad(
