@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lightning_sloth.moe import fused as fused_module
 from lightning_sloth.moe import register
 from lightning_sloth.moe.routing import ROUTERS
 from lightning_sloth.patching import apply_experts
@@ -135,11 +136,14 @@ def test_packed_row_equals_each_document_alone_in_loss_and_every_gradient(family
 
 
 # --------------------------------------------------------------------------- LoRA on the experts
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_on_experts_equals_peft(family, monkeypatch):
+def test_lora_on_experts_equals_peft(family, fused, monkeypatch):
     """PEFT's own path (delta weights through a parametrization, transformers' experts) against the
-    factors inside the grouped GEMMs: loss and every LoRA gradient, and no delta weight folded in."""
+    factors inside the grouped GEMMs: loss and every LoRA gradient, and no delta weight folded in; with
+    the separate gather/combine passes and with the permutation fused into the GEMMs."""
     register()
+    monkeypatch.setattr(fused_module, "_ENABLED", [fused])
     config = LoraConfig(
         r=4, lora_alpha=8, target_modules=["o_proj"], target_parameters=EXPERT_LORA, init_lora_weights=False
     )

@@ -19,6 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_sloth.attention import set_packed_attention_backend
+from lightning_sloth.moe.fused import fused_permutation_enabled, set_fused_permutation
 from lightning_sloth.moe.routing import ROUTERS
 from lightning_sloth.patching import apply_experts
 from lightning_sloth.transform import transform_model
@@ -146,8 +147,18 @@ def _peft_block_pair(family):
     return reference, ours
 
 
+@pytest.fixture(params=[False, True], ids=["separate", "fused"])
+def permutation(request):
+    """Both experts paths: the separate gather/combine passes and the permutation fused into the GEMMs
+    (``lightning_sloth.moe.fused``; Llama 4 keeps the separate passes either way)."""
+    before = fused_permutation_enabled()
+    set_fused_permutation(request.param)
+    yield request.param
+    set_fused_permutation(before)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_moe_block_with_expert_lora_matches_float64_transformers_and_peft(family):
+def test_bf16_moe_block_with_expert_lora_matches_float64_transformers_and_peft(family, permutation):
     """The MoE block (router, grouped experts with LoRA, shared expert) in bf16 against transformers +
     PEFT in float64: output, and the gradients of the input, the router and every LoRA factor."""
     reference, ours = _peft_block_pair(family)
@@ -203,7 +214,7 @@ def test_mla_packed_through_varlen_equals_each_document_alone():
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "llama4_text"])
-def test_no_host_sync_in_a_training_step_of_the_block(family):
+def test_no_host_sync_in_a_training_step_of_the_block(family, permutation):
     """Group-limited routing (DeepSeek-V3) and Llama 4's block, with LoRA on the experts: forward,
     backward and a capturable optimizer step under ``set_sync_debug_mode("error")``."""
     _, ours = _peft_block_pair(family)
