@@ -333,8 +333,9 @@ class SlothConfig:
             or ``None`` (checkpoint every layer).
         compile: regional ``torch.compile`` of each decoder layer.
         compile_options: keyword arguments for ``torch.compile`` (``mode``, ``dynamic``...).
-        moe: MoE models (qwen3_moe, mixtral, gpt_oss) run their experts through
-            ``lightning_sloth.moe``; ``false`` keeps transformers' experts implementation.
+        moe: MoE models run their experts through ``lightning_sloth.moe``; ``false`` keeps
+            transformers' experts implementation; ``fused`` also reads and writes the token rows
+            through the routing permutation inside the grouped GEMMs.
         checkpoint_impl: ``node`` (each checkpointed layer one autograd node: less host time per
             layer), ``torch`` (torch's non-reentrant checkpoint per layer), or null (the
             strategy's default: ``node``, and ``torch`` under ``sloth_fsdp``).
@@ -353,7 +354,7 @@ class SlothConfig:
     memory_budget: str | None = None
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
-    moe: bool = True
+    moe: Any = True  # true, false or fused
     checkpoint_impl: str | None = None
     cuda_graphs: bool = False
     mlp_chunk_tokens: str | None = "auto"
@@ -582,6 +583,9 @@ def _check_sloth(sloth: DictConfig, errors: list[str]) -> None:
         errors.append(
             f"sloth.mlp_chunk_tokens: must be a positive number of tokens, 'auto' or null, got {chunk!r}"
         )
+    moe = sloth.get("moe", True)
+    if not (isinstance(moe, bool) or moe == "fused"):
+        errors.append(f"sloth.moe: must be true, false or fused, got {moe!r}")
     if sloth.get("checkpoint_impl") not in (None, "torch", "node"):
         errors.append(
             f"sloth.checkpoint_impl: must be 'torch', 'node' or null, got {sloth.checkpoint_impl!r}"

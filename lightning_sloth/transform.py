@@ -51,7 +51,7 @@ def transform_model(
     offload: str = "off",
     memory_budget: int | str | None = None,
     compile: bool | dict = False,
-    moe: bool = True,
+    moe: bool | str = True,
     checkpoint_impl: str = "node",
     cuda_graphs: bool = False,
     mlp_chunk_tokens: int | str | None = "auto",
@@ -74,7 +74,9 @@ def transform_model(
         compile: ``torch.compile`` each decoder layer (``True`` or compile kwargs).
         moe: MoE models (the families of ``lightning_sloth.moe.layouts.LAYOUTS``) run their experts through
             ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
-            ``False`` keeps transformers' experts implementation. Dense models ignore it.
+            ``False`` keeps transformers' experts implementation; ``"fused"`` also reads and writes
+            the token rows through the routing permutation inside the grouped GEMMs
+            (:mod:`lightning_sloth.moe.fused`). Dense models ignore it.
         checkpoint_impl: ``"node"`` (the default: each checkpointed layer one autograd node,
             less host time per layer; see ``lightning_sloth.offload.checkpoint``) or ``"torch"``
             (torch's non-reentrant checkpoint per layer).
@@ -100,7 +102,7 @@ def transform_model(
             report.applied.append(f"token-chunked MLPs ({mlp_chunk_tokens})")
     report.experts = apply_experts(hf_model, enabled=moe)
     if moe and report.experts.experts:
-        report.applied.append("moe experts")
+        report.applied.append("moe experts" + (", permutation fused" if report.experts.fused else ""))
     if packed_attention:
         enable_packed_attention(hf_model)
         report.applied.append("packed attention")

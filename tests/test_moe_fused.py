@@ -295,6 +295,47 @@ def test_switch_is_off_by_default_and_one_flag(fused_switch):
     assert fused.fused_permutation_enabled() is True
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the reference path is enough")
+def test_moe_fused_is_a_per_model_choice_through_transform_model(fused_switch, monkeypatch):
+    """transform_model(moe="fused") (SlothStrategy(moe="fused"), sloth.moe=fused) turns the fused path
+    on for that model's experts with the process-wide switch off, with the same loss and gradients;
+    another model keeps the switch's choice; moe=True gives the choice back; a bad value is named."""
+    from lightning_sloth.moe import experts as moe_experts
+    from lightning_sloth.transform import transform_model
+
+    calls = []
+    real = moe_experts._fused_project
+    monkeypatch.setattr(moe_experts, "_fused_project", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused_switch(False)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    plain = dict(packed_attention=False, gradient_checkpointing=False)
+
+    def run(model):
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model, other = _tiny("qwen3_moe", 1), _tiny("qwen3_moe", 1)
+    loss_ref, grads_ref = run(model)
+    assert not calls
+    report = transform_model(model, moe="fused", **plain)
+    assert report.experts.fused and "moe experts, permutation fused" in report.applied
+    loss, grads = run(model)
+    assert calls  # the fused ops ran, the switch still off
+    assert abs(float(loss - loss_ref)) <= 1e-5 * abs(float(loss_ref))
+    for name, want in grads_ref.items():
+        assert float((grads[name] - want).norm() / want.norm().clamp_min(1e-30)) <= 1e-5, name
+    run(other)
+    assert not calls and not fused.fused_permutation_enabled()
+    assert not transform_model(model, moe=True, **plain).experts.fused
+    run(model)
+    assert not calls
+    with pytest.raises(ValueError, match="moe must be true, false or 'fused', got 'yes'"):
+        transform_model(model, moe="yes", **plain)
+
+
 # ------------------------------------------------------------------------------ Triton kernels
 @interpreted_only
 @pytest.mark.parametrize(

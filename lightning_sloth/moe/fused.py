@@ -24,9 +24,10 @@ bias of GPT-OSS. CUDA float16/bfloat16/float32 runs the Triton kernels of
 the plain-torch reference here (gather, per-expert loop, weighted sum). Nothing reads a count on
 the host.
 
-The experts path uses these ops when :func:`fused_permutation_enabled` (the one switch:
-:func:`set_fused_permutation`, or ``LIGHTNING_SLOTH_MOE_FUSED=1`` in the environment); off by
-default.
+The experts path uses these ops when :func:`fused_permutation_enabled`: an experts module's own
+choice (``transform_model(moe="fused")``, ``SlothStrategy(moe="fused")``, ``sloth.moe=fused``), else
+the process-wide switch (:func:`set_fused_permutation`, or ``LIGHTNING_SLOTH_MOE_FUSED=1`` in the
+environment); off by default.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from lightning_sloth.moe.indexed import slot_sum as _slot_sum
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
 __all__ = [
+    "FUSED_ATTR",
     "fused_permutation_enabled",
     "gather_lora_grouped_mm",
     "lora_grouped_mm_combine",
@@ -63,9 +65,15 @@ def set_fused_permutation(enabled: bool) -> None:
     _ENABLED[0] = bool(enabled)
 
 
-def fused_permutation_enabled() -> bool:
-    """Whether the "sloth" experts run the fused-permutation ops."""
-    return _ENABLED[0]
+FUSED_ATTR = "_sloth_fused_permutation"
+"""An experts module's own choice (True/False), set by ``apply_experts(..., enabled="fused")``."""
+
+
+def fused_permutation_enabled(experts: object | None = None) -> bool:
+    """Whether the "sloth" experts (``experts``, else any) run the fused-permutation ops: the module's
+    own choice where one is set, else the process-wide switch."""
+    own = getattr(experts, FUSED_ATTR, None) if experts is not None else None
+    return _ENABLED[0] if own is None else bool(own)
 
 
 # ------------------------------------------------------------------ first GEMM: gather fused

@@ -26,6 +26,7 @@ from lightning_sloth.moe import (
     register,
     uninstall_lora_experts,
 )
+from lightning_sloth.moe.fused import FUSED_ATTR
 from lightning_sloth.moe.layouts import experts_model_type
 from lightning_sloth.moe.peft import experts_and_lora
 from lightning_sloth.moe.routing import ROUTERS, router_logits
@@ -55,6 +56,7 @@ class ExpertsReport:
         lora: qualified names of the PEFT wrappers whose LoRA runs inside the grouped GEMMs.
         routers: qualified names of the routers computing their logits in float32.
         blocks: qualified names of the MoE blocks whose forward routes and calls the experts itself.
+        fused: the token permutation runs inside the grouped GEMMs for this model (``"fused"``).
     """
 
     model_type: str | None
@@ -63,6 +65,7 @@ class ExpertsReport:
     lora: list[str] = field(default_factory=list)
     routers: list[str] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
+    fused: bool = False
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -88,7 +91,7 @@ def _experts_family(base: nn.Module, model_type: str | None) -> tuple[list, Fami
     return experts, family, model_type
 
 
-def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
+def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport:
     """Select the "sloth" experts implementation for a transformers MoE model, in place.
 
     Registers "sloth" in transformers' ``ExpertsInterface``, sets it on the model (and its config),
@@ -100,7 +103,9 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
 
     Args:
         model: a transformers ``PreTrainedModel``, a PEFT model around one, or a module holding one.
-        enabled: select (True) or deselect (False) the "sloth" experts.
+        enabled: select (True) or deselect (False) the "sloth" experts; ``"fused"`` selects them
+            with the token permutation inside the grouped GEMMs for this model's experts
+            (:mod:`lightning_sloth.moe.fused`; True leaves it to the process-wide switch).
 
     Returns:
         The :class:`ExpertsReport` (also logged at INFO).
@@ -108,8 +113,11 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
     Raises:
         NotImplementedError: the model has MoE experts of a family the table does not support
             (names the family and the supported list).
-        ValueError: ``num_experts_per_tok`` exceeds the number of experts.
+        ValueError: ``num_experts_per_tok`` exceeds the number of experts, or ``enabled`` is none of
+            True, False and ``"fused"``.
     """
+    if not (isinstance(enabled, bool) or enabled == "fused"):
+        raise ValueError(f"moe must be true, false or 'fused', got {enabled!r}")
     base = base_model(model)
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -118,6 +126,12 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
     if not experts:
         return report
     report.experts = [name for name, _ in experts]
+    for _, module in experts:  # the model's own choice of the permutation path, or none
+        if enabled == "fused":
+            setattr(module, FUSED_ATTR, True)
+        elif hasattr(module, FUSED_ATTR):
+            delattr(module, FUSED_ATTR)
+    report.fused = enabled == "fused"
     uninstall_lora_experts(base)
     for module in base.modules():
         if _forwards.patched_op(module) in _MOE_OPS:
@@ -154,10 +168,11 @@ def apply_experts(model: nn.Module, enabled: bool = True) -> ExpertsReport:
         getattr(report, kind).append(name)
     report.implementation = EXPERTS_NAME if report.blocks else config._experts_implementation
     log.info(
-        "lightning_sloth experts: %s x%d (%d with LoRA inside the grouped GEMMs), float32 routers x%d, "
+        "lightning_sloth experts: %s x%d%s (%d with LoRA inside the grouped GEMMs), float32 routers x%d, "
         "MoE blocks x%d",
         moe_type,
         len(report.experts),
+        ", permutation fused into the grouped GEMMs" if report.fused else "",
         len(report.lora),
         len(report.routers),
         len(report.blocks),

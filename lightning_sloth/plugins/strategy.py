@@ -64,7 +64,7 @@ class _SlothSetup:
         offload: str = "off",
         memory_budget: int | str | None = None,
         compile: bool | dict = False,
-        moe: bool = True,
+        moe: bool | str = True,
         checkpoint_impl: str | None = None,
         cuda_graphs: bool = False,
         mlp_chunk_tokens: int | str | None = "auto",
@@ -134,7 +134,8 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         offload: ``"off"``/``"on"``/``"auto"``: offload checkpointed layer inputs to host memory.
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: regional ``torch.compile`` of each decoder layer (``True`` or compile kwargs).
-        moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own).
+        moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own;
+            ``"fused"``: with the token permutation inside the grouped GEMMs).
         checkpoint_impl: ``"node"`` (each checkpointed layer one autograd node; the default) or
             ``"torch"``.
         cuda_graphs: replay each checkpointed layer's passes as CUDA graphs (static shapes, no
