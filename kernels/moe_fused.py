@@ -31,8 +31,17 @@ import triton
 import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
 from lightning_sloth.kernels.moe import _ROW_BLOCK, _tile_table
+from triton.runtime.errors import OutOfResources
 
-__all__ = ["TILES", "WGRAD_TILES", "grouped_mm", "grouped_mm_weight_grad", "slot_dot", "slot_sum"]
+__all__ = [
+    "TILES",
+    "WGRAD_TILES",
+    "OutOfResources",
+    "grouped_mm",
+    "grouped_mm_weight_grad",
+    "slot_dot",
+    "slot_sum",
+]
 
 TILES: tuple[int, int, int, int, int] | None = None
 """``(BM, BN, BK, num_warps, num_stages)`` for 16-bit CUDA operands instead of the built-in choice

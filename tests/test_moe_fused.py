@@ -451,6 +451,35 @@ def test_kernels_interpreted_lora_down_in_the_same_pass_equals_the_separate_pass
 
 
 @interpreted_only
+def test_kernels_interpreted_one_pass_that_does_not_fit_falls_back_with_a_warning(monkeypatch):
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    from lightning_sloth.moe import indexed
+
+    grouping, weights = _routing(7, 5, 3, 2)
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(7, 21, generator=gen), torch.randn(5, 37, 21, generator=gen)
+    down, up = torch.randn(5, 3, 21, generator=gen), torch.randn(5, 37, 3, generator=gen)
+    kw = dict(down=down, down_is_kn=False, up=up, up_is_kn=False, lora_scale=0.5, keep_scaled=False)
+    rows = dict(a_idx=grouping.perm, div=3, scale=weights.reshape(-1).float())
+    want = indexed.indexed_lora_grouped_mm(x, w, grouping.ends, False, **rows, **kw)
+    real = kernels.grouped_mm
+
+    def too_big(*args, **kwargs):
+        if kwargs.get("down") is not None:
+            raise kernels.OutOfResources(240_000, 232_448, "shared memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "grouped_mm", too_big)
+    monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_RANK", indexed.DOWN_IN_KERNEL_MAX_RANK)
+    with pytest.warns(RuntimeWarning, match="does not fit this device"):
+        got = indexed.indexed_lora_grouped_mm(x, w, grouping.ends, False, **rows, **kw)
+    assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0 and not indexed.down_in_kernel(x, 3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@interpreted_only
 def test_kernels_interpreted_lora_down_rank_is_checked():
     from lightning_sloth.kernels import moe_fused as kernels
 

@@ -10,6 +10,7 @@ sum). Rows are in expert order; ``perm[s]`` is the slot ``t * k + j`` of sorted 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -133,18 +134,29 @@ def indexed_lora_grouped_mm(
 
     On the kernel path, for a rank up to :data:`DOWN_IN_KERNEL_MAX_RANK`, one pass: the rows are read
     once for both products (the separate pass reads all ``[S, K]`` of them again for r columns). The
-    roundings are the separate passes', which run otherwise.
+    roundings are the separate passes', which run otherwise (and from then on, with a warning, where
+    the one-pass kernel does not fit the device's shared memory).
     """
+    global DOWN_IN_KERNEL_MAX_RANK
     rank = down.shape[2] if down_is_kn else down.shape[1]
     n_rows = a_idx.shape[0] if a_idx is not None else x.shape[0]
     if down_in_kernel(x, rank):
         side = x.new_empty((n_rows, rank))
-        out = _kernels.grouped_mm(
-            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out_idx=out_idx,
-            w2=up, w2_is_kn=up_is_kn, covered=True, down=down, down_is_kn=down_is_kn,
-            lora_scale=lora_scale, r_out=side, keep_scaled=keep_scaled,
-        )  # fmt: skip
-        return out, side
+        try:
+            out = _kernels.grouped_mm(
+                x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out_idx=out_idx,
+                w2=up, w2_is_kn=up_is_kn, covered=True, down=down, down_is_kn=down_is_kn,
+                lora_scale=lora_scale, r_out=side, keep_scaled=keep_scaled,
+            )  # fmt: skip
+            return out, side
+        except _kernels.OutOfResources as error:  # a device smaller than the tiles assume
+            DOWN_IN_KERNEL_MAX_RANK = 0
+            warnings.warn(
+                f"the one-pass LoRA side of the fused MoE GEMMs does not fit this device ({error}); "
+                "the separate rank-r passes run from now on (the same products)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     side = indexed_grouped_mm(x, down, ends, down_is_kn, a_idx=a_idx, div=div, scale=scale)
     x2 = side * lora_scale
     out = indexed_grouped_mm(
