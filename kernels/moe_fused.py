@@ -54,22 +54,28 @@ WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 
 @functools.cache
 def _shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one block may opt into (4 pipeline stages of 128x64 and 64x256 bf16 tiles
-    need 192 KiB: Hopper's 227, not Ampere's 163)."""
+    """Bytes of shared memory one block may opt into (Hopper's 227 KiB, Ampere's 163)."""
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
-def _tiles(device: torch.device, dtype: torch.dtype, n_out: int, n_in: int) -> tuple[int, int, int, int, int]:
+def _tiles(
+    device: torch.device, dtype: torch.dtype, n_out: int, n_in: int, side: int = 0
+) -> tuple[int, int, int, int, int]:
     """``(BM, BN, BK, num_warps, num_stages)``: Hopper-sized tiles for 16-bit CUDA operands, small ones
-    elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side."""
+    elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side.
+
+    The built-in choice is the H100 sweep's best (``benchmarks/results/moe_fused_sweep2_h100.json``)
+    with as many of its 4 pipeline stages as the device's shared memory holds: a stage is an X and a W
+    tile, plus a ``[BK, side]`` tile of the LoRA down factor when the kernel makes the rank-r side
+    (4 on Hopper, 3 on Ampere)."""
     big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    if not big:
-        bm, bn, bk, warps, stages = 64, 64, 32, 4, 2
-    else:  # the H100 sweep's best (benchmarks/results/moe_fused_sweep2_h100.json); 3 stages fit 164 KiB
-        stages = 4 if _shared_memory(device) >= 200 * 1024 else 3
-        bm, bn, bk, warps, stages = TILES or (128, 256, 64, 8, stages)
+    bm, bn, bk, warps, stages = (TILES or (128, 256, 64, 8, 4)) if big else (64, 64, 32, 4, 2)
     bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
     bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
+    if big and TILES is None:
+        per_stage = (bm * bk + bk * bn + bk * side) * dtype.itemsize
+        while stages > 2 and stages * per_stage > _shared_memory(device) - 8192:
+            stages -= 1
     return bm, bn, bk, warps, stages
 
 
@@ -254,7 +260,6 @@ def grouped_mm(
         return out
     if scale is not None and a_idx is None:
         raise ValueError("grouped_mm: a per-row scale is read through a_idx")
-    bm, bn, bk, warps, stages = _tiles(x.device, x.dtype, n_out, n_in)
     if down is not None:
         if x2 is not None or w2 is None or r_out is None:
             raise ValueError("grouped_mm: down goes with w2 and r_out, not x2")
@@ -269,11 +274,7 @@ def grouped_mm(
         n_in2 = x2.shape[1] if x2 is not None else 0
         down_strides = (0, 0, 0, 0, 0)
     bk2 = max(16, triton.next_power_of_2(max(n_in2, 1))) if n_in2 <= 64 else 64
-    if down is not None and TILES is None and x.device.type == "cuda":
-        # the down factor's tile joins every pipeline stage: fewer stages where they would not fit
-        per_stage = (bm * bk + bk * bn + bk * bk2) * x.element_size()
-        while stages > 2 and stages * per_stage > _shared_memory(x.device) - 8192:
-            stages -= 1
+    bm, bn, bk, warps, stages = _tiles(x.device, x.dtype, n_out, n_in, bk2 if down is not None else 0)
     if w2 is not None:
         stride_w2k, stride_w2n = (w2.stride(1), w2.stride(2)) if w2_is_kn else (w2.stride(2), w2.stride(1))
         x2_strides = (
