@@ -362,6 +362,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="largest LoRA rank made inside the main GEMM (0: separate); several: ';'",
     )
+    parser.add_argument(
+        "--group-m",
+        type=int,
+        default=None,
+        help="M tiles per group of the fused GEMMs' program order (1: N fastest)",
+    )
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default=None, help="frozen,lora (--fused: lora)")
@@ -381,6 +387,10 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])
+    if args.group_m is not None:
+        from lightning_sloth.kernels import moe_fused
+
+        moe_fused.GROUP_M = args.group_m
     wanted = args.systems.split(",")
     unknown = sorted(set(wanted) - set(SYSTEMS))
     if unknown:
@@ -393,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_tiles": args.fused_tiles,
         "wgrad_tiles": args.wgrad_tiles,
         "down_rank_max": args.down_rank_max,
+        "group_m": args.group_m,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
         "results": {},

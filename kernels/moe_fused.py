@@ -47,6 +47,9 @@ TILES: tuple[int, int, int, int, int] | None = None
 """``(BM, BN, BK, num_warps, num_stages)`` for 16-bit CUDA operands instead of the built-in choice
 (a benchmark's sweep sets it; None keeps the default)."""
 
+GROUP_M = 8
+"""M tiles per group of the program order (1: N tiles fastest, one M tile at a time)."""
+
 WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 """``(BA, BB, BR, num_warps, num_stages)`` of the weight-gradient kernel for 16-bit CUDA operands
 (a benchmark's sweep sets it; None keeps the default). BA and BB shrink to a rank-r side."""
@@ -82,19 +85,23 @@ def _tiles(
 @triton.jit
 def _indexed_grouped_mm_kernel(
     X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, DOWN, R_OUT,
-    n_out, n_in, n_in2, div, lora_scale,
+    n_out, n_in, n_in2, div, lora_scale, max_tiles,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n, stride_de, stride_dk, stride_dr,
     stride_rm, stride_rr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOAD_SLOTS: tl.constexpr, A_INDEXED: tl.constexpr,
     SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     HAS_X2: tl.constexpr, BK2: tl.constexpr, DOWN_IN_KERNEL: tl.constexpr, KEEP_SCALED: tl.constexpr,
+    EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # N tiles vary fastest: the CTAs running together share one M tile's (gathered) rows and one
-    # expert's weight in L2, instead of every N tile re-reading all rows from memory.
+    # Programs walk groups of GROUP_M M tiles, M fastest inside a group: the CTAs running together share
+    # a few M tiles' (gathered) rows and a band of one expert's weight columns in L2.
     tiles_n = tl.cdiv(n_out, BN)
-    tile = tl.program_id(0) // tiles_n
-    pid_n = tl.program_id(0) % tiles_n
+    in_group = GROUP_M * tiles_n
+    first = (tl.program_id(0) // in_group) * GROUP_M
+    size = min(max_tiles - first, GROUP_M)
+    tile = first + (tl.program_id(0) % in_group) % size
+    pid_n = (tl.program_id(0) % in_group) // size
     expert = tl.load(TILE_EXPERT + tile).to(tl.int64)
     if expert >= 0:
         row0 = tl.load(TILE_ROW + tile).to(tl.int64)
@@ -116,15 +123,17 @@ def _indexed_grouped_mm_kernel(
             acc_r = tl.zeros((BM, BK2), dtype=tl.float32)
         for k0 in range(0, n_in, BK):
             ks = k0 + tl.arange(0, BK)
-            k_mask = ks < n_in
-            x = tl.load(
-                X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
+            if EVEN_K:  # K a multiple of BK: no mask over K (the H200's loads run ~10% faster)
+                x_mask = row_mask[:, None]
+                w_mask = col_mask[None, :]
+            else:
+                k_mask = ks < n_in
+                x_mask = row_mask[:, None] & k_mask[None, :]
+                w_mask = k_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
             w = tl.load(
                 W + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                mask=k_mask[:, None] & col_mask[None, :],
+                mask=w_mask,
                 other=0.0,
             )
             if x.dtype == tl.float32:
@@ -134,7 +143,7 @@ def _indexed_grouped_mm_kernel(
             if DOWN_IN_KERNEL:
                 d = tl.load(
                     DOWN + expert * stride_de + ks[:, None] * stride_dk + rs[None, :] * stride_dr,
-                    mask=k_mask[:, None] & r_mask[None, :],
+                    mask=r_mask[None, :] if EVEN_K else k_mask[:, None] & r_mask[None, :],
                     other=0.0,
                 )
                 if x.dtype == tl.float32:
@@ -292,13 +301,13 @@ def grouped_mm(
         a_idx if a_idx is not None else ends, scale if scale is not None else out,
         out_idx if out_idx is not None else ends, x2 if x2 is not None else x, w2 if w2 is not None else w,
         down if down is not None else w, r_out if r_out is not None else out,
-        n_out, n_in, n_in2, div, float(lora_scale),
+        n_out, n_in, n_in2, div, float(lora_scale), max_tiles,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, *x2_strides, *down_strides,
         BM=bm, BN=bn, BK=bk, LOAD_SLOTS=a_idx is not None or scale is not None, A_INDEXED=a_idx is not None, SCALED=scale is not None,
         OUT_INDEXED=out_idx is not None, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
         HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2, DOWN_IN_KERNEL=down is not None, KEEP_SCALED=keep_scaled,
-        num_warps=warps, num_stages=stages,
+        EVEN_K=n_in % bk == 0, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

@@ -407,17 +407,55 @@ def test_kernels_interpreted_indexed_weight_grad_and_slot_kernels():
 
 
 @interpreted_only
+@pytest.mark.parametrize("group_m", [1, 2, 3, 8])
+@pytest.mark.parametrize("n_in", [19, 64])  # 64: K a multiple of the K tile, loads without a K mask
+def test_kernels_interpreted_program_order_and_even_k_give_the_same_bits(group_m, n_in, monkeypatch):
+    """Any grouping of the M tiles in the program order, with or without the K mask, writes every row
+    once with the same fixed-order sums: equal bits, and the float64 product."""
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    grouping, weights = _routing(40, 6, 2, 5)
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(40, n_in, generator=gen), torch.randn(6, n_in, 70, generator=gen)
+    rows = dict(a_idx=grouping.perm, div=2, scale=weights.reshape(-1).float())
+    monkeypatch.setattr(kernels, "_tiles", lambda *a, **k: (16, 32, 32, 4, 2))  # 10+ M tiles, 3 N tiles
+    monkeypatch.setattr(kernels, "GROUP_M", 1)
+    want = kernels.grouped_mm(x, w, grouping.ends, True, covered=True, **rows)
+    monkeypatch.setattr(kernels, "GROUP_M", group_m)
+    got = kernels.grouped_mm(x, w, grouping.ends, True, covered=True, **rows)
+    assert torch.equal(got, want)
+    full = torch.empty(80, 70, dtype=torch.float64)
+    rows64 = x.double()[grouping.perm // 2] * weights.reshape(-1).double()[grouping.perm, None]
+    for e, s in enumerate(_slices(grouping.ends)):
+        full[s] = rows64[s] @ w.double()[e]
+    torch.testing.assert_close(got.double(), full, rtol=1e-5, atol=1e-4)
+
+
+@interpreted_only
+def test_one_pass_side_only_for_narrow_outputs():
+    """The in-kernel rank-r side is recomputed by every N tile: wide outputs take the separate pass."""
+    from lightning_sloth.moe import indexed
+
+    x = torch.randn(4, 8)
+    assert indexed.down_in_kernel(x, 16, indexed.DOWN_IN_KERNEL_MAX_OUT)
+    assert not indexed.down_in_kernel(x, 16, indexed.DOWN_IN_KERNEL_MAX_OUT + 1)
+    assert not indexed.down_in_kernel(x, indexed.DOWN_IN_KERNEL_MAX_RANK + 1, 64)
+    assert not indexed.down_in_kernel(x, 0, 64)
+
+
+@interpreted_only
 @pytest.mark.parametrize("rank, down_is_kn", [(3, False), (17, True)])
 @pytest.mark.parametrize("keep_scaled", [False, True])
 @pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("n_in", [21, 32])
 def test_kernels_interpreted_lora_down_in_the_same_pass_equals_the_separate_passes(
-    rank, down_is_kn, keep_scaled, indexed
+    rank, down_is_kn, keep_scaled, indexed, n_in
 ):
     """grouped_mm(down=...) computes the rank-r side from the rows it reads, with the separate passes'
     roundings (float16 here: x @ D to x's dtype, times the scale, again), and writes the side once."""
     from lightning_sloth.kernels import moe_fused as kernels
 
-    top_k, n_in, n_out = 3, 21, 37
+    top_k, n_out = 3, 37
     grouping, weights = _routing(7, 5, top_k, 2, used=[0, 2, 3])  # experts 1 and 4 without rows
     gen = torch.Generator().manual_seed(3)
     half = torch.float16
@@ -474,7 +512,7 @@ def test_kernels_interpreted_one_pass_that_does_not_fit_falls_back_with_a_warnin
     monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_RANK", indexed.DOWN_IN_KERNEL_MAX_RANK)
     with pytest.warns(RuntimeWarning, match="does not fit this device"):
         got = indexed.indexed_lora_grouped_mm(x, w, grouping.ends, False, **rows, **kw)
-    assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0 and not indexed.down_in_kernel(x, 3)
+    assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0 and not indexed.down_in_kernel(x, 3, 37)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -136,7 +136,7 @@ def _gather_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx [T, K], dW, dA, dB)``; dx sums each token's k rows (written in slot order) in fp32."""
     rank = lora_a.shape[1]
-    one_pass = need_x and _down_in_kernel(grad, rank)  # g made inside the input gradient's GEMM
+    one_pass = need_x and _down_in_kernel(grad, rank, x.shape[1])  # g made inside the input gradient's GEMM
     g = None
     if rank and (need_x or need_a) and not one_pass:
         g = _mm(grad, lora_b, ends, w_is_kn=True) * scale  # [S, r]
@@ -278,7 +278,9 @@ def _combine_op(
     """``(out [T, N], y [S, N] in slot order, xa [S, r])``: ``out[t] = sum_j w[t, j] y[t k + j]`` (fp32)."""
     w = _weight(weight, absmax, code, blocksize, shape, a.dtype)
     rank = lora_a.shape[1]
-    if _down_in_kernel(a, rank):  # xa made inside the GEMM from the rows it reads
+    if _down_in_kernel(
+        a, rank, w.shape[2] if transposed else w.shape[1]
+    ):  # xa made inside the GEMM from the rows it reads
         lora = dict(
             down=lora_a, down_is_kn=False, up=lora_b, up_is_kn=False, lora_scale=scale, keep_scaled=False
         )

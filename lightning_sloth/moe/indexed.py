@@ -104,9 +104,17 @@ DOWN_IN_KERNEL_MAX_RANK = 32
 ``[BM, r]`` accumulator sits beside the main one); larger ranks make the separate pass."""
 
 
-def down_in_kernel(x: Tensor, rank: int) -> bool:
-    """Whether :func:`indexed_lora_grouped_mm` computes the rank-r side inside the main GEMM for x."""
-    return use_kernels(x) and 0 < rank <= DOWN_IN_KERNEL_MAX_RANK
+DOWN_IN_KERNEL_MAX_OUT = 2048
+"""Widest output whose GEMM makes the rank-r side inside: every N tile of the output recomputes it,
+while the separate pass reads the rows once, so the one pass pays off for narrow outputs only (on the
+H200 block, ``benchmarks/results/moe_fused_sweep4_h200.json``: Qwen3-30B-A3B's outputs of 768 to
+2,048 columns gain 4%, GPT-OSS-20B's 2,880 and 5,760 lose 5 to 12%)."""
+
+
+def down_in_kernel(x: Tensor, rank: int, n_out: int) -> bool:
+    """Whether :func:`indexed_lora_grouped_mm` computes the rank-r side inside the main GEMM of x's rows
+    into ``n_out`` columns."""
+    return use_kernels(x) and 0 < rank <= DOWN_IN_KERNEL_MAX_RANK and n_out <= DOWN_IN_KERNEL_MAX_OUT
 
 
 def indexed_lora_grouped_mm(
@@ -132,7 +140,8 @@ def indexed_lora_grouped_mm(
     is made from the same rows, ``side = scale(s) * x[aidx(s)] @ down_e`` (in x's dtype) and
     ``x2 = side * lora_scale``; ``side`` is returned scaled (``keep_scaled``) or not.
 
-    On the kernel path, for a rank up to :data:`DOWN_IN_KERNEL_MAX_RANK`, one pass: the rows are read
+    On the kernel path, for a rank up to :data:`DOWN_IN_KERNEL_MAX_RANK` and an output up to
+    :data:`DOWN_IN_KERNEL_MAX_OUT` columns wide, one pass: the rows are read
     once for both products (the separate pass reads all ``[S, K]`` of them again for r columns). The
     roundings are the separate passes', which run otherwise (and from then on, with a warning, where
     the one-pass kernel does not fit the device's shared memory).
@@ -140,7 +149,7 @@ def indexed_lora_grouped_mm(
     global DOWN_IN_KERNEL_MAX_RANK
     rank = down.shape[2] if down_is_kn else down.shape[1]
     n_rows = a_idx.shape[0] if a_idx is not None else x.shape[0]
-    if down_in_kernel(x, rank):
+    if down_in_kernel(x, rank, w.shape[2] if w_is_kn else w.shape[1]):
         side = x.new_empty((n_rows, rank))
         try:
             out = _kernels.grouped_mm(
