@@ -31,7 +31,7 @@ def _k(
     X, W, OUT, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, XD, WD, n_out, n_in, div, max_tiles,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_INDEXED: tl.constexpr, EVEN_K: tl.constexpr,
-    GM: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr, X_DESC: tl.constexpr,
+    GM: tl.constexpr, W_DESC: tl.constexpr, W_KN: tl.constexpr, X_DESC: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     tiles_n = tl.cdiv(n_out, BN)
     pid = tl.program_id(0)
@@ -58,7 +58,7 @@ def _k(
         else:
             a_rows = rows
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, n_in, BK):
+        for k0 in tl.range(0, n_in, BK, warp_specialize=WS):
             ks = k0 + tl.arange(0, BK)
             if X_DESC:
                 x = XD.load([row0, k0])
@@ -96,8 +96,79 @@ def _k(
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _kp(
+    X, OUT, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, N_VALID, XD, WD, n_out, n_in, div,
+    stride_xm, stride_xk, stride_om, stride_on,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_INDEXED: tl.constexpr, GM: tl.constexpr,
+    W_KN: tl.constexpr, X_DESC: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr,
+):  # fmt: skip
+    # Persistent: one program per SM walks the valid tiles (the tile table puts them first; their
+    # count is read on the device, no host sync); W (and X in expert order) through TMA descriptors.
+    tiles_n = tl.cdiv(n_out, BN)
+    n_valid = tl.load(N_VALID)
+    total = n_valid * tiles_n
+    for pid in tl.range(tl.program_id(0), total, NUM_SMS, flatten=False, warp_specialize=WS):
+        in_group = GM * tiles_n
+        first = (pid // in_group) * GM
+        size = min(n_valid - first, GM)
+        tile = first + (pid % in_group) % size
+        pid_n = (pid % in_group) // size
+        expert = tl.load(TILE_EXPERT + tile)
+        row0 = tl.load(TILE_ROW + tile)
+        end = tl.load(ENDS + expert).to(tl.int64)
+        rows = row0.to(tl.int64) + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        row_mask = rows < end
+        if A_INDEXED:
+            a_rows = tl.load(A_IDX + rows, mask=row_mask, other=0).to(tl.int64) // div
+        else:
+            a_rows = rows
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, n_in, BK):
+            ks = k0 + tl.arange(0, BK)
+            if X_DESC:
+                x = XD.load([row0, k0])
+            else:
+                x = tl.load(
+                    X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=row_mask[:, None] & (ks < n_in)[None, :],
+                    other=0.0,
+                )
+            if W_KN:
+                w = WD.load([expert, k0, pid_n * BN]).reshape(BK, BN)
+            else:
+                w = tl.trans(WD.load([expert, pid_n * BN, k0]).reshape(BN, BK))
+            acc = tl.dot(x, w, acc)
+        out_ptrs = OUT + rows[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (cols < n_out)[None, :])
+
+
+def persistent(x, w, ends, w_is_kn, a_idx, div, rows, cfg):
+    bm, bn, bk, warps, stages, gm, _, xdesc, ws, _ = cfg
+    n_in = x.shape[1]
+    n_out = w.shape[2] if w_is_kn else w.shape[1]
+    out = x.new_empty((rows, n_out))
+    max_tiles = triton.cdiv(rows, bm) + w.shape[0]
+    te, tr = _tile_table(ends, bm, max_tiles)
+    n_valid = (te >= 0).sum().to(torch.int32).reshape(1)
+    wd = TensorDescriptor.from_tensor(w, [1, bk, bn] if w_is_kn else [1, bn, bk])
+    xd = TensorDescriptor.from_tensor(x, [bm, bk]) if xdesc else x
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    _kp[(sms,)](
+        x, out, te, tr, ends, a_idx if a_idx is not None else ends, n_valid, xd, wd, n_out, n_in, div,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        BM=bm, BN=bn, BK=bk, A_INDEXED=a_idx is not None, GM=gm, W_KN=w_is_kn, X_DESC=xdesc, NUM_SMS=sms,
+        WS=ws, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def variant(x, w, ends, w_is_kn, a_idx, div, rows, cfg):
-    bm, bn, bk, warps, stages, gm, wdesc, xdesc = cfg
+    """cfg: (BM, BN, BK, warps, stages, GROUP_M, W descriptor, X descriptor, warp-specialised, persistent)."""
+    if cfg[9]:
+        return persistent(x, w, ends, w_is_kn, a_idx, div, rows, cfg)
+    bm, bn, bk, warps, stages, gm, wdesc, xdesc, ws, _ = cfg
     n_in = x.shape[1]
     n_out = w.shape[2] if w_is_kn else w.shape[1]
     experts = w.shape[0]
@@ -112,7 +183,7 @@ def variant(x, w, ends, w_is_kn, a_idx, div, rows, cfg):
         x, w, out, te, tr, ends, a_idx if a_idx is not None else ends, xd, wd, n_out, n_in, div, max_tiles,
         x.stride(0), x.stride(1), w.stride(0), swk, swn, out.stride(0), out.stride(1),
         BM=bm, BN=bn, BK=bk, A_INDEXED=a_idx is not None, EVEN_K=n_in % bk == 0, GM=gm, W_DESC=wdesc,
-        W_KN=w_is_kn, X_DESC=xdesc, num_warps=warps, num_stages=stages,
+        W_KN=w_is_kn, X_DESC=xdesc, WS=ws, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -133,6 +204,21 @@ def timeit(fn, n=20):
     return ts[len(ts) // 2]
 
 
+CONFIGS = [
+    # (BM, BN, BK, warps, stages, GROUP_M, W descriptor, X descriptor, warp-specialised, persistent)
+    (128, 256, 64, 8, 4, 8, False, False, False, False),  # the kernel's loads and order since 6e5c10e
+    (128, 256, 32, 8, 5, 8, False, False, False, False),
+    (128, 256, 64, 8, 4, 8, True, False, False, False),
+    (128, 256, 64, 8, 4, 8, True, True, False, False),
+    (128, 256, 64, 8, 4, 8, True, False, True, False),
+    (128, 256, 64, 8, 4, 8, True, True, True, False),
+    (128, 256, 64, 8, 3, 8, True, False, False, True),
+    (128, 256, 64, 8, 3, 8, True, True, False, True),
+    (128, 256, 64, 8, 3, 8, True, False, True, True),
+    (128, 256, 64, 8, 3, 8, True, True, True, True),
+    (128, 128, 64, 8, 4, 8, True, True, True, True),
+]
+
 SHAPES = {
     # name: tokens, experts, top_k, hidden, inter (gate_up N = 2 inter)
     "gpt_oss_20b": (16384, 32, 4, 2880, 2880),
@@ -144,6 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--configs",
+        default=";".join(",".join(str(int(v)) for v in c) for c in CONFIGS),
+        help="BM,BN,BK,WARPS,STAGES,GROUP_M,W_DESC,X_DESC,WS,PERSISTENT (0/1 flags); several: ';'",
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     out = {
@@ -157,18 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
         return torch.empty(size, dtype=torch.int8, device="cuda")
 
     triton.set_allocator(alloc)
-    configs = [
-        (128, 256, 64, 8, 4, 1, False, False),
-        (128, 256, 32, 8, 5, 1, False, False),
-        (128, 256, 64, 8, 4, 8, False, False),
-        (128, 256, 64, 8, 4, 1, True, False),
-        (128, 256, 64, 8, 4, 8, True, False),
-        (128, 256, 64, 8, 3, 8, True, False),
-        (128, 256, 32, 8, 5, 8, True, False),
-        (128, 256, 64, 8, 4, 8, True, True),
-        (256, 128, 64, 8, 4, 8, True, True),
-        (128, 128, 64, 4, 4, 8, True, True),
-    ]
+    configs = [tuple(int(v) for v in part.split(",")) for part in args.configs.split(";")]
     for name in args.shapes.split(","):
         tokens, experts, top_k, hidden, inter = SHAPES[name]
         logits = torch.randn(tokens, experts, device="cuda")
