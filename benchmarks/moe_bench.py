@@ -41,6 +41,12 @@ separate rank-r passes), e.g. ``--down-rank-max "32;0"`` times the one-pass LoRA
 separate passes in one process::
 
     python benchmarks/moe_bench.py --fused --timed 10 --down-rank-max "32;0"
+
+The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
+configurations N times each, interleaved (every configuration once per round), and pools their steps
+(``round_medians_ms`` lists each round's median)::
+
+    python benchmarks/moe_bench.py --fused --systems sloth_fused --rounds 3 --fused-tiles "default;128,256,32,8,5"
 """
 
 from __future__ import annotations
@@ -161,6 +167,7 @@ def measure(block, x, grad, warmup: int, timed: int) -> dict:
     return {
         "median_ms": statistics.median(times),
         "min_ms": min(times),
+        "times_ms": times,
         "timed_steps": timed,
         "peak_over_base_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
         "base_allocated_gib": base / 2**30,
@@ -233,6 +240,22 @@ def _variants(fused_tiles: str | None, wgrad_tiles: str | None, down_ranks: str 
     )
 
 
+def _interleaved(variants: int, rounds: int) -> list[tuple[int, int]]:
+    """``(round, variant)`` in the order the sweep times them: every variant once per round, so a drift
+    of the device's clocks over the sweep falls on all of them alike."""
+    return [(r, v) for r in range(max(1, rounds)) for v in range(variants)]
+
+
+def _pooled(times: list[float]) -> dict:
+    """Median, min and count over every timed step of a variant's rounds."""
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "times_ms": list(times),
+        "timed_steps": len(times),
+    }
+
+
 def run_case(
     shape: str,
     mode: str,
@@ -242,6 +265,7 @@ def run_case(
     timed: int,
     profile_path: str | None = None,
     variants: list[tuple] | None = None,
+    rounds: int = 1,
 ) -> dict:
     block = _block(shape)
     for param in block.parameters():
@@ -281,23 +305,31 @@ def run_case(
             if "median_ms" in other:
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
     if variants and len(variants) > 1:
-        sweep = []
-        for tiles, wgrad, down in variants:
-            entry = {"tiles": tiles, "wgrad_tiles": wgrad, "down_rank_max": down}
-            _set_tiles(tiles, wgrad, down)
+        sweep = [{"tiles": t, "wgrad_tiles": w, "down_rank_max": d} for t, w, d in variants]
+        times: list[list[float]] = [[] for _ in variants]
+        for _round, index in _interleaved(len(variants), rounds):
+            entry = sweep[index]
+            if "error" in entry:
+                continue
+            _set_tiles(*variants[index])
             _select(block, "sloth_fused")
             try:
-                with torch.no_grad():
-                    out = block(x)
-                out = (out[0] if isinstance(out, tuple) else out).float()
-                entry.update(measure(block, x, grad, warmup, timed))
-                if reference is not None:
-                    entry["rel_diff_vs_grouped_mm"] = float((out - reference).norm() / reference.norm())
+                if not times[index]:
+                    with torch.no_grad():
+                        out = block(x)
+                    out = (out[0] if isinstance(out, tuple) else out).float()
+                    if reference is not None:
+                        entry["rel_diff_vs_grouped_mm"] = float((out - reference).norm() / reference.norm())
+                timing = measure(block, x, grad, warmup, timed)
+                if not times[index]:
+                    entry.update({k: v for k, v in timing.items() if k.endswith("gib")})
+                entry.setdefault("round_medians_ms", []).append(timing["median_ms"])
+                times[index].extend(timing["times_ms"])
+                entry.update(_pooled(times[index]))
             except Exception as error:  # a tile too large for shared memory, out of memory
                 entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             torch.cuda.empty_cache()
-            print(shape, mode, "sloth_fused", entry, flush=True)
-            sweep.append(entry)
+            print(shape, mode, "sloth_fused", {k: v for k, v in entry.items() if k != "times_ms"}, flush=True)
         _set_tiles(*variants[0])
         results["sweep"] = sweep
         timed_ok = [e for e in sweep if "median_ms" in e]
@@ -375,6 +407,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--systems", default=None, help=f"a subset of {SYSTEMS}, run in that order (eager,grouped_mm,sloth)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the sweep's configurations this many times each, interleaved, and pool the steps",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--profile", default=None, help="a text file for per-kernel device times")
@@ -404,6 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wgrad_tiles": args.wgrad_tiles,
         "down_rank_max": args.down_rank_max,
         "group_m": args.group_m,
+        "rounds": args.rounds,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
         "results": {},
@@ -411,7 +450,15 @@ def main(argv: list[str] | None = None) -> dict:
     for shape in args.shapes.split(","):
         for mode in args.modes.split(","):
             report["results"][f"{shape}/{mode}"] = run_case(
-                shape, mode, args.tokens, systems, args.warmup, args.timed, args.profile, variants
+                shape,
+                mode,
+                args.tokens,
+                systems,
+                args.warmup,
+                args.timed,
+                args.profile,
+                variants,
+                args.rounds,
             )
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

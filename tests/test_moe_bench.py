@@ -46,3 +46,10 @@ def test_the_down_rank_knob_reaches_the_ops_and_comes_back():
         bench._set_tiles(None, None)
     assert default == indexed.DOWN_IN_KERNEL_MAX_RANK
     assert bench._ranks("default;0") == [None, 0]
+
+
+def test_rounds_interleave_the_configurations_and_pool_their_steps():
+    assert bench._interleaved(3, 2) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert bench._interleaved(2, 0) == [(0, 0), (0, 1)]  # at least one round
+    pooled = bench._pooled([3.0, 1.0, 2.0, 10.0])
+    assert pooled["median_ms"] == 2.5 and pooled["min_ms"] == 1.0 and pooled["timed_steps"] == 4
