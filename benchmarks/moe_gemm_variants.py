@@ -1,11 +1,13 @@
 """The fused MoE grouped GEMM alone (rows read through the routing permutation) against variants of
 its kernel and against ``torch._grouped_mm`` on the gathered rows, in TFLOP/s.
 
-Variants, as ``(BM, BN, BK, warps, stages, GROUP_M, W through a TMA descriptor, X through one)``:
+Variants, as ``(BM, BN, BK, warps, stages, GROUP_M, W through a TMA descriptor, X through one,
+warp-specialised, persistent)``:
 loads without a K mask where BK divides K, programs in groups of GROUP_M M tiles, the expert weight
 (and, for rows already in expert order, the input) through host TMA descriptors. Four GEMMs per
 shape: the first MoE GEMM reading token rows through the permutation and the second reading rows in
-expert order, each with the weight ``[E, K, N]`` and ``[E, N, K]``. Every variant is checked against
+expert order, each with the weight ``[E, K, N]`` and ``[E, N, K]``, and the rank-16 LoRA side of the
+first (``x A^T``, bandwidth-bound: GB/s of rows read). Every variant is checked against
 ``torch._grouped_mm`` (relative max error). JSON to ``--out`` (default ``$OUT`` or
 ``benchmarks/results/``), a line per variant.
 
@@ -219,6 +221,16 @@ CONFIGS = [
     (128, 128, 64, 8, 4, 8, True, True, True, True),
 ]
 
+RANK_CONFIGS = [
+    # the rank-r side alone (N = r = 16): memory-bound on the [S, K] rows it reads
+    (128, 16, 64, 8, 4, 1, False, False, False, False),  # what the fused kernel's tiles give it
+    (128, 16, 64, 4, 4, 1, False, False, False, False),
+    (128, 16, 128, 4, 3, 1, False, False, False, False),
+    (64, 16, 128, 4, 4, 1, False, False, False, False),
+    (256, 16, 64, 8, 4, 1, False, False, False, False),
+    (64, 16, 256, 4, 3, 1, False, False, False, False),
+]
+
 SHAPES = {
     # name: tokens, experts, top_k, hidden, inter (gate_up N = 2 inter)
     "gpt_oss_20b": (16384, 32, 4, 2880, 2880),
@@ -235,6 +247,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=";".join(",".join(str(int(v)) for v in c) for c in CONFIGS),
         help="BM,BN,BK,WARPS,STAGES,GROUP_M,W_DESC,X_DESC,WS,PERSISTENT (0/1 flags); several: ';'",
     )
+    parser.add_argument(
+        "--rank-configs",
+        default=";".join(",".join(str(int(v)) for v in c) for c in RANK_CONFIGS),
+        help="the same for the rank-16 case",
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     out = {
@@ -249,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     triton.set_allocator(alloc)
     configs = [tuple(int(v) for v in part.split(",")) for part in args.configs.split(";")]
+    rank_configs = [tuple(int(v) for v in part.split(",")) for part in args.rank_configs.split(";")]
     for name in args.shapes.split(","):
         tokens, experts, top_k, hidden, inter = SHAPES[name]
         logits = torch.randn(tokens, experts, device="cuda")
@@ -290,15 +308,30 @@ def main(argv: list[str] | None = None) -> dict:
                 None,
                 1,
             ),
+            "lora_down_indexed_r16": (  # x A^T of the first GEMM's LoRA, rows through the permutation
+                xt,
+                torch.randn(experts, 16, hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
+                False,
+                order,
+                top_k,
+            ),
         }
         for case, (x, w, kn, a_idx, div) in cases.items():
             n_out = w.shape[2] if kn else w.shape[1]
             flops = 2 * rows * x.shape[1] * n_out
             xs = x[a_idx // div] if a_idx is not None else x
             wk = w if kn else w.transpose(1, 2)
-            ref = torch._grouped_mm(xs, wk, offs=offs)
-            res = {"grouped_mm_ms": timeit(functools.partial(torch._grouped_mm, xs, wk, offs=offs))}
-            res["grouped_mm_tflops"] = flops / res["grouped_mm_ms"] / 1e9
+            try:
+                ref = torch._grouped_mm(xs, wk, offs=offs)
+                res = {"grouped_mm_ms": timeit(functools.partial(torch._grouped_mm, xs, wk, offs=offs))}
+                res["grouped_mm_tflops"] = flops / res["grouped_mm_ms"] / 1e9
+            except RuntimeError as error:  # a layout torch._grouped_mm does not take: a per-expert reference
+                starts = [0, *ends[:-1].tolist()]
+                ref = torch.cat([xs[a:b] @ wk[e] for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
+                res = {
+                    "grouped_mm_error": str(error).splitlines()[0][:200],
+                    "grouped_mm_tflops": float("nan"),
+                }
             moe_fused.TILES = None
             cur = functools.partial(
                 moe_fused.grouped_mm, x, w, ends, kn, rows=rows, a_idx=a_idx, div=div, covered=True
@@ -307,14 +340,18 @@ def main(argv: list[str] | None = None) -> dict:
             res["current_tflops"] = flops / res["current_ms"] / 1e9
             res["current_err"] = ((cur().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             res["variants"] = []
-            for cfg in configs:
+            res["rows_read_gbps"] = rows * x.shape[1] * x.element_size() / res["current_ms"] / 1e6
+            for cfg in rank_configs if n_out <= 64 else configs:
                 if cfg[7] and a_idx is not None:
                     continue
                 try:
                     fn = functools.partial(variant, x, w, ends, kn, a_idx, div, rows, cfg)
                     err = ((fn().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                     ms = timeit(fn)
-                    res["variants"].append({"cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9, "err": err})
+                    gbps = rows * x.shape[1] * x.element_size() / ms / 1e6
+                    res["variants"].append(
+                        {"cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9, "rows_read_gbps": gbps, "err": err}
+                    )
                 except Exception as e:  # noqa: BLE001
                     res["variants"].append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             out["cases"][f"{name}/{case}"] = res
@@ -326,7 +363,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     "   ",
                     v["cfg"],
-                    f"{v['tflops']:.0f} TF/s err {v['err']:.1e}" if "ms" in v else v["error"][:150],
+                    f"{v['tflops']:.0f} TF/s {v['rows_read_gbps']:.0f} GB/s err {v['err']:.1e}"
+                    if "ms" in v
+                    else v["error"][:150],
                     flush=True,
                 )
     folder = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
