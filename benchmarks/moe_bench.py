@@ -42,6 +42,10 @@ separate passes in one process::
 
     python benchmarks/moe_bench.py --fused --timed 10 --down-rank-max "32;0"
 
+``--ordered-grouped-mm "0;1"`` is a fourth: the fused path's two GEMMs whose rows are already in expert
+order (the second's forward, the first's input gradient) through ``torch._grouped_mm``, each token's
+k rows then summed through the inverse permutation (``lightning_sloth.moe.indexed.ORDERED_ROWS_GROUPED_MM``).
+
 The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
 configurations N times each, interleaved (every configuration once per round), and pools their steps
 (``round_medians_ms`` lists each round's median)::
@@ -207,10 +211,16 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 
 
 _DEFAULT_DOWN_RANK_MAX = None
+_DEFAULT_ORDERED = None
 
 
-def _set_tiles(tiles: tuple[int, ...] | None, wgrad: tuple[int, ...] | None, down: int | None = None) -> None:
-    global _DEFAULT_DOWN_RANK_MAX
+def _set_tiles(
+    tiles: tuple[int, ...] | None,
+    wgrad: tuple[int, ...] | None,
+    down: int | None = None,
+    ordered: bool | None = None,
+) -> None:
+    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_ORDERED
     from lightning_sloth.kernels import moe_fused
 
     from lightning_sloth.moe import indexed
@@ -218,7 +228,9 @@ def _set_tiles(tiles: tuple[int, ...] | None, wgrad: tuple[int, ...] | None, dow
     moe_fused.TILES, moe_fused.WGRAD_TILES = tiles, wgrad
     if _DEFAULT_DOWN_RANK_MAX is None:
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
+        _DEFAULT_ORDERED = indexed.ORDERED_ROWS_GROUPED_MM
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
+    indexed.ORDERED_ROWS_GROUPED_MM = _DEFAULT_ORDERED if ordered is None else ordered
 
 
 def _ranks(text: str | None) -> list[int | None]:
@@ -228,16 +240,27 @@ def _ranks(text: str | None) -> list[int | None]:
     return [None if part.strip() in ("", "default") else int(part) for part in text.split(";")]
 
 
-def _variants(fused_tiles: str | None, wgrad_tiles: str | None, down_ranks: str | None = None) -> list[tuple]:
-    """The first configuration of each knob, then every other one with the other knobs at their first."""
-    tiles, wgrad, down = _tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks)
-    first = (tiles[0], wgrad[0], down[0])
-    return (
-        [first]
-        + [(t, wgrad[0], down[0]) for t in tiles[1:]]
-        + [(tiles[0], w, down[0]) for w in wgrad[1:]]
-        + [(tiles[0], wgrad[0], d) for d in down[1:]]
-    )
+def _flags(text: str | None) -> list[bool | None]:
+    """``"0;1"`` -> ``[False, True]`` (``None`` for the default: no text, or ``default``)."""
+    if not text:
+        return [None]
+    return [None if part.strip() in ("", "default") else bool(int(part)) for part in text.split(";")]
+
+
+def _variants(
+    fused_tiles: str | None,
+    wgrad_tiles: str | None,
+    down_ranks: str | None = None,
+    ordered: str | None = None,
+) -> list[tuple]:
+    """The first configuration of each knob, then every other one with the other knobs at their first:
+    ``(tiles, wgrad tiles, down rank max, ordered rows through torch._grouped_mm)``."""
+    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _flags(ordered)]
+    first = tuple(k[0] for k in knobs)
+    out = [first]
+    for i, values in enumerate(knobs):
+        out += [first[:i] + (v,) + first[i + 1 :] for v in values[1:]]
+    return out
 
 
 def _interleaved(variants: int, rounds: int) -> list[tuple[int, int]]:
@@ -305,7 +328,7 @@ def run_case(
             if "median_ms" in other:
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
     if variants and len(variants) > 1:
-        sweep = [{"tiles": t, "wgrad_tiles": w, "down_rank_max": d} for t, w, d in variants]
+        sweep = [{"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "ordered": o} for t, w, d, o in variants]
         times: list[list[float]] = [[] for _ in variants]
         for _round, index in _interleaved(len(variants), rounds):
             entry = sweep[index]
@@ -362,6 +385,8 @@ def summary(report: dict) -> str:
             label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
             if entry.get("down_rank_max") is not None:
                 label += f", down in kernel up to rank {entry['down_rank_max']}"
+            if entry.get("ordered") is not None:
+                label += f", ordered rows by torch._grouped_mm {int(entry['ordered'])}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
@@ -395,6 +420,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="largest LoRA rank made inside the main GEMM (0: separate); several: ';'",
     )
     parser.add_argument(
+        "--ordered-grouped-mm",
+        default=None,
+        help="1: the fused path's GEMMs over rows in expert order through torch._grouped_mm, 0: the Triton "
+        "kernel (lightning_sloth.moe.indexed.ORDERED_ROWS_GROUPED_MM); several: ';'",
+    )
+    parser.add_argument(
         "--group-m",
         type=int,
         default=None,
@@ -421,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.systems = args.systems or (FUSED_SYSTEMS if args.fused else "eager,grouped_mm,sloth")
     args.out = args.out or _default_out(args.fused)
     try:
-        variants = _variants(args.fused_tiles, args.wgrad_tiles, args.down_rank_max)
+        variants = _variants(args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.ordered_grouped_mm)
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])
@@ -441,6 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_tiles": args.fused_tiles,
         "wgrad_tiles": args.wgrad_tiles,
         "down_rank_max": args.down_rank_max,
+        "ordered_grouped_mm": args.ordered_grouped_mm,
         "group_m": args.group_m,
         "rounds": args.rounds,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},

@@ -16,12 +16,13 @@ def test_tile_configurations_parse_and_default():
 def test_the_sweep_moves_one_knob_at_a_time():
     variants = bench._variants("128,128,64,8,3;64,128,64,4,4", "default;128,64,128,4,3")
     assert variants == [
-        ((128, 128, 64, 8, 3), None, None),
-        ((64, 128, 64, 4, 4), None, None),
-        ((128, 128, 64, 8, 3), (128, 64, 128, 4, 3), None),
+        ((128, 128, 64, 8, 3), None, None, None),
+        ((64, 128, 64, 4, 4), None, None, None),
+        ((128, 128, 64, 8, 3), (128, 64, 128, 4, 3), None, None),
     ]
-    assert bench._variants(None, None) == [(None, None, None)]
-    assert bench._variants(None, None, "32;0") == [(None, None, 32), (None, None, 0)]
+    assert bench._variants(None, None) == [(None, None, None, None)]
+    assert bench._variants(None, None, "32;0") == [(None, None, 32, None), (None, None, 0, None)]
+    assert bench._variants(None, None, None, "0;1") == [(None, None, None, False), (None, None, None, True)]
 
 
 def test_the_knobs_reach_the_kernels_module():
@@ -38,13 +39,13 @@ def test_the_knobs_reach_the_kernels_module():
 def test_the_down_rank_knob_reaches_the_ops_and_comes_back():
     from lightning_sloth.moe import indexed
 
-    default = indexed.DOWN_IN_KERNEL_MAX_RANK
+    default, ordered = indexed.DOWN_IN_KERNEL_MAX_RANK, indexed.ORDERED_ROWS_GROUPED_MM
     try:
-        bench._set_tiles(None, None, 0)
-        assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0
+        bench._set_tiles(None, None, 0, not ordered)
+        assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0 and indexed.ORDERED_ROWS_GROUPED_MM is not ordered
     finally:
         bench._set_tiles(None, None)
-    assert default == indexed.DOWN_IN_KERNEL_MAX_RANK
+    assert default == indexed.DOWN_IN_KERNEL_MAX_RANK and ordered == indexed.ORDERED_ROWS_GROUPED_MM
     assert bench._ranks("default;0") == [None, 0]
 
 

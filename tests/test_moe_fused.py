@@ -137,6 +137,26 @@ def test_ops_equal_the_separate_passes_in_float64(transposed, top_k):
         _compare(_case(transposed, top_k, rank, bias), torch.float64, 1e-12, 1e-12, weighted)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_rows_in_expert_order_through_grouped_mm_equal_the_separate_passes(transposed, top_k, monkeypatch):
+    """ORDERED_ROWS_GROUPED_MM: the second GEMM's forward and the first's input gradient make their rows
+    in expert order (torch._grouped_mm on Hopper; the per-expert reference here) and sum each token's
+    k rows through the inverse permutation; the routing weights' gradient reads them the same way."""
+    from lightning_sloth.moe import indexed
+
+    calls = []
+    for name in ("ordered_rows_sum", "ordered_rows_dot", "ordered_input_grad_sum"):
+        real = getattr(indexed, name)
+        monkeypatch.setattr(indexed, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.setattr(indexed, "ORDERED_ROWS_GROUPED_MM", True)
+    monkeypatch.setattr(indexed, "_grouped_mm_takes", lambda x, shape: True)
+    for rank, bias, weighted in ((8, False, True), (0, True, True), (8, True, False)):
+        _compare(_case(transposed, top_k, rank, bias), torch.float64, 1e-12, 1e-12, weighted)
+    assert {"ordered_rows_sum", "ordered_rows_dot", "ordered_input_grad_sum"} <= set(calls)
+    assert not indexed.ordered_grouped_mm(torch.zeros(2, 8), [3, 8, 8], 3)  # rank 3: rows of 6 bytes
+
+
 def test_opcheck_both_ops():
     case = _case(False, 2, 3, True)
     t = _leaves(case, torch.float64)

@@ -38,7 +38,8 @@ import os
 import torch
 from torch import Tensor
 
-from lightning_sloth.moe.gemm import _mm, _weight_grad
+from lightning_sloth.moe import indexed as _ix
+from lightning_sloth.moe.gemm import _mm, _weight_grad, lora_rows
 from lightning_sloth.moe.indexed import bias_grad as _bias_grad
 from lightning_sloth.moe.indexed import down_in_kernel as _down_in_kernel
 from lightning_sloth.moe.indexed import expert_weight as _weight
@@ -136,14 +137,17 @@ def _gather_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx [T, K], dW, dA, dB)``; dx sums each token's k rows (written in slot order) in fp32."""
     rank = lora_a.shape[1]
-    one_pass = need_x and _down_in_kernel(grad, rank, x.shape[1])  # g made inside the input gradient's GEMM
+    ordered = need_x and _ix.ordered_grouped_mm(grad, shape, rank)  # grad's rows are in expert order
+    one_pass = need_x and not ordered and _down_in_kernel(grad, rank, x.shape[1])  # g made inside the GEMM
     g = None
     if rank and (need_x or need_a) and not one_pass:
         g = _mm(grad, lora_b, ends, w_is_kn=True) * scale  # [S, r]
     dx = grad.new_empty(0)
     if need_x:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
-        if one_pass:
+        if ordered:
+            dx = _ix.ordered_input_grad_sum(grad, w, ends, not transposed, g, lora_a, perm, top_k)
+        elif one_pass:
             lora = dict(
                 down=lora_b, down_is_kn=True, up=lora_a, up_is_kn=True, lora_scale=scale, keep_scaled=True
             )
@@ -151,7 +155,7 @@ def _gather_backward_op(
         else:
             lora = dict(x2=g, w2=lora_a, w2_is_kn=True) if g is not None else {}
             rows = _gemm(grad, w, ends, not transposed, out_idx=perm, **lora)  # slot order [S, K]
-        dx = _slot_sum(rows, top_k, None)
+        dx = dx if ordered else _slot_sum(rows, top_k, None)
     dw = grad.new_empty(0)
     if need_w:
         if transposed:  # [E, K, N] = x_rows^T grad
@@ -177,23 +181,8 @@ def _gather_backward_fake(
 
 
 def _gather_setup(ctx, inputs, output):
-    (
-        x,
-        perm,
-        top_k,
-        weight,
-        absmax,
-        code,
-        blocksize,
-        shape,
-        bias,
-        lora_a,
-        lora_b,
-        scale,
-        ends,
-        ids,
-        transposed,
-    ) = inputs
+    x, perm, top_k, weight, absmax, code, blocksize, shape, bias, lora_a, lora_b, scale = inputs[:12]
+    ends, ids, transposed = inputs[12:]
     ctx.mark_non_differentiable(output[1])
     keep_x = weight.requires_grad or lora_a.requires_grad
     ctx.save_for_backward(
@@ -278,9 +267,10 @@ def _combine_op(
     """``(out [T, N], y [S, N] in slot order, xa [S, r])``: ``out[t] = sum_j w[t, j] y[t k + j]`` (fp32)."""
     w = _weight(weight, absmax, code, blocksize, shape, a.dtype)
     rank = lora_a.shape[1]
-    if _down_in_kernel(
-        a, rank, w.shape[2] if transposed else w.shape[1]
-    ):  # xa made inside the GEMM from the rows it reads
+    if _ix.ordered_grouped_mm(a, shape, rank):  # y in expert order, summed through the inverse permutation
+        y, xa = lora_rows(a, w, bias, lora_a, lora_b, scale, ends, expert_ids, transposed)
+        return _ix.ordered_rows_sum(y, perm, top_k, weights), y, xa
+    if _down_in_kernel(a, rank, w.shape[2] if transposed else w.shape[1]):  # xa made inside the GEMM
         lora = dict(
             down=lora_a, down_is_kn=False, up=lora_b, up_is_kn=False, lora_scale=scale, keep_scaled=False
         )
@@ -354,7 +344,12 @@ def _combine_backward_op(
             da_in, g = _lora_gemm(grad, w, ends, not transposed, **rows, **lora)
         else:
             da_in = _gemm(grad, w, ends, not transposed, **rows)
-    dweights = _slot_dot(grad, y, top_k).to(weights.dtype) if need_weights else grad.new_empty(0)
+    dweights = grad.new_empty(0)
+    if need_weights:  # y's rows in the order the forward wrote them
+        ordered = _ix.ordered_grouped_mm(a, shape, rank)
+        dweights = (_ix.ordered_rows_dot(grad, y, perm, top_k) if ordered else _slot_dot(grad, y, top_k)).to(
+            weights.dtype
+        )
     idx = dict(a_idx=perm, a_div=top_k, a_scale=flat)
     dw = grad.new_empty(0)
     if need_w:

@@ -31,7 +31,7 @@ from lightning_sloth.ops.registry import (
 if TRITON_OPS:
     from lightning_sloth.kernels import moe as _kernels
 
-__all__ = ["grouped_mm", "grouped_mm_reference", "lora_grouped_mm"]
+__all__ = ["grouped_mm", "grouped_mm_reference", "lora_grouped_mm", "lora_rows"]
 
 
 def grouped_mm_reference(x: Tensor, weight: Tensor, ends: Tensor, transposed: bool) -> Tensor:
@@ -237,6 +237,25 @@ def _mm_into(out: Tensor, x: Tensor, weight: Tensor, ends: Tensor, w_is_kn: bool
     return out.add_(grouped_mm_reference(x, weight, ends, transposed=w_is_kn))
 
 
+def lora_rows(
+    x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scale: float, ends: Tensor,
+    expert_ids: Tensor, transposed: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out [S, N], xa [S, r])``: ``out = x W_e (+ b_e) + scale (x A_e^T) B_e^T`` over rows in expert
+    order, in separate passes (the base GEMM, the bias, the rank-r down and up products)."""
+    out = _mm(x, weight, ends, w_is_kn=transposed)
+    if bias is not None:
+        if use_triton(out):
+            _kernels.add_group_bias(out, bias, expert_ids)
+        else:
+            out = out + bias.index_select(0, expert_ids)
+    if lora_a.shape[1] == 0:
+        return out, x.new_empty((x.shape[0], 0))
+    xa = _mm(x, lora_a, ends, w_is_kn=False)
+    _mm_into(out, xa * scale, lora_b, ends, w_is_kn=False)
+    return out, xa
+
+
 @sloth_op("moe_lora_grouped_mm")
 def _lora_grouped_mm_op(
     x: Tensor,
@@ -250,15 +269,7 @@ def _lora_grouped_mm_op(
     transposed: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(out [S, N], xa [S, r])``: ``out = x W_e (+ b_e) + scale (x A_e^T) B_e^T``; xa is kept for the backward."""
-    out = _mm(x, weight, ends, w_is_kn=transposed)
-    if bias is not None:
-        if use_triton(out):
-            _kernels.add_group_bias(out, bias, expert_ids)
-        else:
-            out = out + bias.index_select(0, expert_ids)
-    xa = _mm(x, lora_a, ends, w_is_kn=False)
-    _mm_into(out, xa * scale, lora_b, ends, w_is_kn=False)
-    return out, xa
+    return lora_rows(x, weight, bias, lora_a, lora_b, scale, ends, expert_ids, transposed)
 
 
 @_lora_grouped_mm_op.register_fake

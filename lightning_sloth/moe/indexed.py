@@ -15,21 +15,27 @@ import warnings
 import torch
 from torch import Tensor
 
-from lightning_sloth.moe.gemm import _weight_grad, grouped_mm_reference
+from lightning_sloth.moe.gemm import _mm, _mm_into, _weight_grad, grouped_mm_reference
 from lightning_sloth.moe.quant import _weight as _dequantized
 from lightning_sloth.ops.registry import TRITON_OPS, use_triton
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if TRITON_OPS or _INTERPRETED:
+    from lightning_sloth.kernels import moe as _moe_kernels
     from lightning_sloth.kernels import moe_fused as _kernels
 
 __all__ = [
+    "ORDERED_ROWS_GROUPED_MM",
     "bias_grad",
     "down_in_kernel",
     "expert_weight",
     "indexed_grouped_mm",
     "indexed_lora_grouped_mm",
     "indexed_weight_grad",
+    "ordered_grouped_mm",
+    "ordered_input_grad_sum",
+    "ordered_rows_dot",
+    "ordered_rows_sum",
     "slot_dot",
     "slot_sum",
     "use_kernels",
@@ -234,3 +240,61 @@ def bias_grad(
         rows = rows * scale.to(compute).index_select(0, idx)[:, None]
     out = rows.new_zeros((ends.shape[0], grad.shape[1])).index_add_(0, expert_ids, rows)
     return out.to(grad.dtype)
+
+
+# ------------------------------------------------- rows already in expert order: torch._grouped_mm
+ORDERED_ROWS_GROUPED_MM = False
+"""Whether the fused path's two GEMMs whose input rows are already in expert order (the second GEMM's
+forward, the first GEMM's input gradient) run ``torch._grouped_mm`` (CUTLASS, Hopper bfloat16) in expert
+order, each token's k rows then summed through the inverse permutation, instead of the Triton kernel
+writing slot order. Only the rows' write order changes: the gathered copies stay avoided (those two
+GEMMs read their rows in place either way). Off until measured
+(``benchmarks/moe_bench.py --ordered-grouped-mm``)."""
+
+
+def _grouped_mm_takes(x: Tensor, shape) -> bool:
+    """Whether ``torch._grouped_mm`` takes rows x against an expert weight of ``shape``: bfloat16 CUDA
+    from Hopper on, every dimension a multiple of 8 (16-byte rows)."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0) and all(
+        d % 8 == 0 for d in (*shape[1:], x.shape[1])
+    )
+
+
+def ordered_grouped_mm(x: Tensor, shape, rank: int) -> bool:
+    """Whether rows of x in expert order, times an expert weight of ``shape`` with rank-r LoRA, take
+    the ``torch._grouped_mm`` path (:data:`ORDERED_ROWS_GROUPED_MM`)."""
+    return ORDERED_ROWS_GROUPED_MM and rank % 8 == 0 and _grouped_mm_takes(x, shape)
+
+
+def inverse_permutation(perm: Tensor) -> Tensor:
+    """``inv[perm[s]] = s``: the sorted row of each slot (a device op, no host sync)."""
+    return torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
+    )
+
+
+def ordered_rows_sum(rows: Tensor, perm: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
+    """``[T, N]``: ``sum_j (w[t, j] *) rows[inv[t k + j]]`` of expert-ordered rows, fp32, j in order."""
+    inv = inverse_permutation(perm)
+    if use_triton(rows):
+        return _moe_kernels.gather_sum(rows, inv, top_k, weights)
+    return slot_sum(rows.index_select(0, inv), top_k, weights)
+
+
+def ordered_rows_dot(dout: Tensor, rows: Tensor, perm: Tensor, top_k: int) -> Tensor:
+    """float32 ``[T, k]``: ``<dout[t], rows[inv[t k + j]]>`` of expert-ordered rows (the routing weights' gradient)."""
+    inv = inverse_permutation(perm)
+    if use_triton(rows):
+        return _moe_kernels.combine_weight_grad(dout, rows, inv, top_k)
+    return slot_dot(dout, rows.index_select(0, inv), top_k)
+
+
+def ordered_input_grad_sum(grad, w, ends, w_is_kn, g, lora_a, perm, top_k) -> Tensor:
+    """``[T, K]``: each token's sum over its k rows of ``grad @ W_e^T (+ g @ A_e)``, the rows made in
+    expert order by ``torch._grouped_mm`` and summed through the inverse permutation."""
+    rows = _mm(grad, w, ends, w_is_kn=w_is_kn)
+    if g is not None:
+        rows = _mm_into(rows, g, lora_a, ends, w_is_kn=True)
+    return ordered_rows_sum(rows, perm, top_k, None)

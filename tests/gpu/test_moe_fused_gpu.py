@@ -1,7 +1,8 @@
 """GPU checks of the fused-permutation MoE path (``lightning_sloth.moe.fused``): bf16 parity of both ops
 with a float64 reference (Hopper-sized tiles, odd sizes, idle experts, top_k 1/2/8), the bits of two runs,
 the experts of Qwen3-MoE and GPT-OSS with LoRA (dense and NF4) against the current path, opcheck on
-the ``triton_op`` path, and no host sync in a training step.
+the ``triton_op`` path, and no host sync in a training step; each also with the GEMMs over rows in
+expert order through ``torch._grouped_mm`` (``ORDERED_ROWS_GROUPED_MM``).
 
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_moe_fused_gpu.py`` (under a minute).
 """
@@ -31,6 +32,16 @@ pytestmark = [
 
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.fixture(params=[False, True], ids=["slot-order", "ordered-grouped-mm"])
+def ordered(request, monkeypatch):
+    """Both ways of the two GEMMs over rows in expert order: the Triton kernel writing slot order, and
+    torch._grouped_mm in expert order summed through the inverse permutation (bf16 on Hopper)."""
+    from lightning_sloth.moe import indexed
+
+    monkeypatch.setattr(indexed, "ORDERED_ROWS_GROUPED_MM", request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -91,7 +102,7 @@ def _run(case, dtype, fused):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
-def test_ops_match_float64_and_repeat_bit_for_bit(dtype, transposed, top_k):
+def test_ops_match_float64_and_repeat_bit_for_bit(dtype, transposed, top_k, ordered):
     case = _inputs(dtype, transposed, top_k)
     reference = _run(case, torch.float64, fused=False)
     ours = _run(case, dtype, fused=True)
@@ -162,7 +173,7 @@ def _step(block, x, grad):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("nf4", [False, True])
-def test_moe_block_with_expert_lora_equals_the_current_path(family, nf4, switch):
+def test_moe_block_with_expert_lora_equals_the_current_path(family, nf4, switch, ordered):
     block = _block(family)
     if nf4:
         quantize_experts(block.experts.get_base_layer(), "nf4")
@@ -180,7 +191,7 @@ def test_moe_block_with_expert_lora_equals_the_current_path(family, nf4, switch)
     assert all(torch.equal(a, b) for a, b in zip(again, ours, strict=True))
 
 
-def test_no_host_sync_in_a_training_step(switch):
+def test_no_host_sync_in_a_training_step(switch, ordered):
     switch(True)
     block = _block("qwen3_moe")
     params = [p for p in block.parameters() if p.requires_grad]
