@@ -279,9 +279,9 @@ def weighted_swiglu_backward(
 
 @triton.jit
 def _grouped_mm_kernel(
-    X, W, OUT, TILE_EXPERT, TILE_ROW, ENDS, n_out, n_in,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, n_out, n_in,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     expert = tl.load(TILE_EXPERT + tile).to(tl.int64)
@@ -312,6 +312,8 @@ def _grouped_mm_kernel(
                 acc = tl.dot(x, w.to(x.dtype), acc)
         out_ptrs = OUT + rows[:, None] * stride_om + cols[None, :] * stride_on
         out_mask = row_mask[:, None] & col_mask[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if ACCUMULATE:
             acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
@@ -333,12 +335,17 @@ def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch
 
 
 def grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, w_is_kn: bool, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ends: torch.Tensor,
+    w_is_kn: bool,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ W_e``; ``W_e = w[e]`` if ``w_is_kn`` (``[E, K, N]``) else
+    """``out[rows of e] = x[rows of e] @ W_e (+ b_e)``; ``W_e = w[e]`` if ``w_is_kn`` (``[E, K, N]``) else
     ``w[e].T`` (``[E, N, K]``). x ``[S, K]``, ends int32 ``[E]`` cumulative row ends; rows past the
-    last end are zero. With ``out`` given, the product is added to it in place (fp32 sum, one
-    rounding) and out is returned."""
+    last end are zero. With ``out`` given, the product (and the ``[E, N]`` bias) is added to it in place
+    (fp32 sum, one rounding) and out is returned."""
     n_rows, n_in = x.shape
     experts = w.shape[0]
     n_out = w.shape[2] if w_is_kn else w.shape[1]
@@ -354,9 +361,10 @@ def grouped_mm(
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
     grid = (max_tiles, triton.cdiv(n_out, block_n))
     launchable(_grouped_mm_kernel)[grid](
-        x, w, out, tile_expert, tile_row, ends, n_out, n_in,
+        x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends, n_out, n_in,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
-        BM=block_m, BN=block_n, BK=block_k, ACCUMULATE=accumulate,
+        bias.stride(0) if bias is not None else 0,
+        BM=block_m, BN=block_n, BK=block_k, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
     )  # fmt: skip
     return out
 

@@ -231,6 +231,12 @@ def test_kernels_interpreted_grouped_mm(dtype, w_is_kn):
     acc = kernels.grouped_mm(xa, wb, ends, False, out=base.clone())
     expected_acc = base.double() + grouped_mm_reference(xa.double(), wb.double(), ends, transposed=False)
     torch.testing.assert_close(acc.double(), expected_acc, rtol=tol, atol=tol * 10)
+    # and with a per-expert bias in the same pass (one rounding)
+    bias = torch.randn(experts, n).to(dtype)
+    acc = kernels.grouped_mm(xa, wb, ends, False, out=base.clone(), bias=bias)
+    expert_of_row = torch.repeat_interleave(torch.arange(experts), torch.tensor(COUNTS))
+    expected_acc = expected_acc + bias.double()[expert_of_row]
+    torch.testing.assert_close(acc.double(), expected_acc, rtol=tol, atol=tol * 10)
 
 
 @interpreted_only

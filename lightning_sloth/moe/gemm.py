@@ -230,10 +230,13 @@ def grouped_mm(
 
 
 # ------------------------------------------------------------------ grouped GEMM with LoRA
-def _mm_into(out: Tensor, x: Tensor, weight: Tensor, ends: Tensor, w_is_kn: bool) -> Tensor:
-    """``out[rows of e] += x[rows of e] @ W_e`` in place (a rank-r update: x has r columns)."""
+def _mm_into(
+    out: Tensor, x: Tensor, weight: Tensor, ends: Tensor, w_is_kn: bool, bias: Tensor | None = None
+) -> Tensor:
+    """``out[rows of e] += x[rows of e] @ W_e`` in place (a rank-r update: x has r columns), and with the
+    Triton kernel the ``[E, N]`` bias in the same pass (``bias`` is for the kernel path only)."""
     if use_triton(out):
-        return _kernels.grouped_mm(x, weight, ends, w_is_kn, out=out)
+        return _kernels.grouped_mm(x, weight, ends, w_is_kn, out=out, bias=bias)
     return out.add_(grouped_mm_reference(x, weight, ends, transposed=w_is_kn))
 
 
@@ -244,15 +247,17 @@ def lora_rows(
     """``(out [S, N], xa [S, r])``: ``out = x W_e (+ b_e) + scale (x A_e^T) B_e^T`` over rows in expert
     order, in separate passes (the base GEMM, the bias, the rank-r down and up products)."""
     out = _mm(x, weight, ends, w_is_kn=transposed)
-    if bias is not None:
+    rank = lora_a.shape[1]
+    fold = bias is not None and rank > 0 and use_triton(out)  # the bias rides the rank-r pass over out
+    if bias is not None and not fold:
         if use_triton(out):
             _kernels.add_group_bias(out, bias, expert_ids)
         else:
             out = out + bias.index_select(0, expert_ids)
-    if lora_a.shape[1] == 0:
+    if rank == 0:
         return out, x.new_empty((x.shape[0], 0))
     xa = _mm(x, lora_a, ends, w_is_kn=False)
-    _mm_into(out, xa * scale, lora_b, ends, w_is_kn=False)
+    _mm_into(out, xa * scale, lora_b, ends, w_is_kn=False, bias=bias if fold else None)
     return out, xa
 
 
