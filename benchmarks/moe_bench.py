@@ -42,9 +42,11 @@ separate passes in one process::
 
     python benchmarks/moe_bench.py --fused --timed 10 --down-rank-max "32;0"
 
-``--ordered-grouped-mm "0;1"`` is a fourth: the fused path's two GEMMs whose rows are already in expert
-order (the second's forward, the first's input gradient) through ``torch._grouped_mm``, each token's
-k rows then summed through the inverse permutation (``lightning_sloth.moe.indexed.ORDERED_ROWS_GROUPED_MM``).
+``--grouped-mm "none;ordered;gathered;both"`` is a fourth: which of the fused path's GEMMs run
+``torch._grouped_mm`` (``lightning_sloth.moe.indexed``): ``ordered``, the two whose rows are already in
+expert order (the second's forward, the first's input gradient), each token's k rows then summed
+through the inverse permutation (``ORDERED_ROWS_GROUPED_MM``); ``gathered``, the two that read rows
+through the permutation, from a gathered copy (``GATHERED_ROWS_GROUPED_MM``); ``both``.
 
 The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
 configurations N times each, interleaved (every configuration once per round), and pools their steps
@@ -211,16 +213,23 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 
 
 _DEFAULT_DOWN_RANK_MAX = None
-_DEFAULT_ORDERED = None
+_DEFAULT_GROUPED_MM = None
+GROUPED_MM_CHOICES = {
+    "none": (False, False),
+    "ordered": (True, False),
+    "gathered": (False, True),
+    "both": (True, True),
+}
+"""``--grouped-mm`` values: (ORDERED_ROWS_GROUPED_MM, GATHERED_ROWS_GROUPED_MM) of the fused path."""
 
 
 def _set_tiles(
     tiles: tuple[int, ...] | None,
     wgrad: tuple[int, ...] | None,
     down: int | None = None,
-    ordered: bool | None = None,
+    grouped: str | None = None,
 ) -> None:
-    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_ORDERED
+    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM
     from lightning_sloth.kernels import moe_fused
 
     from lightning_sloth.moe import indexed
@@ -228,9 +237,10 @@ def _set_tiles(
     moe_fused.TILES, moe_fused.WGRAD_TILES = tiles, wgrad
     if _DEFAULT_DOWN_RANK_MAX is None:
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
-        _DEFAULT_ORDERED = indexed.ORDERED_ROWS_GROUPED_MM
+        _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
-    indexed.ORDERED_ROWS_GROUPED_MM = _DEFAULT_ORDERED if ordered is None else ordered
+    flags = _DEFAULT_GROUPED_MM if grouped is None else GROUPED_MM_CHOICES[grouped]
+    indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM = flags
 
 
 def _ranks(text: str | None) -> list[int | None]:
@@ -240,22 +250,26 @@ def _ranks(text: str | None) -> list[int | None]:
     return [None if part.strip() in ("", "default") else int(part) for part in text.split(";")]
 
 
-def _flags(text: str | None) -> list[bool | None]:
-    """``"0;1"`` -> ``[False, True]`` (``None`` for the default: no text, or ``default``)."""
+def _grouped(text: str | None) -> list[str | None]:
+    """``"none;both"`` -> ``["none", "both"]`` (``None`` for the default: no text, or ``default``)."""
     if not text:
         return [None]
-    return [None if part.strip() in ("", "default") else bool(int(part)) for part in text.split(";")]
+    out = [None if part.strip() in ("", "default") else part.strip() for part in text.split(";")]
+    unknown = [v for v in out if v is not None and v not in GROUPED_MM_CHOICES]
+    if unknown:
+        raise ValueError(f"--grouped-mm takes {sorted(GROUPED_MM_CHOICES)}, got {unknown}")
+    return out
 
 
 def _variants(
     fused_tiles: str | None,
     wgrad_tiles: str | None,
     down_ranks: str | None = None,
-    ordered: str | None = None,
+    grouped: str | None = None,
 ) -> list[tuple]:
     """The first configuration of each knob, then every other one with the other knobs at their first:
-    ``(tiles, wgrad tiles, down rank max, ordered rows through torch._grouped_mm)``."""
-    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _flags(ordered)]
+    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm)``."""
+    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped)]
     first = tuple(k[0] for k in knobs)
     out = [first]
     for i, values in enumerate(knobs):
@@ -328,7 +342,9 @@ def run_case(
             if "median_ms" in other:
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
     if variants and len(variants) > 1:
-        sweep = [{"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "ordered": o} for t, w, d, o in variants]
+        sweep = [
+            {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o} for t, w, d, o in variants
+        ]
         times: list[list[float]] = [[] for _ in variants]
         for _round, index in _interleaved(len(variants), rounds):
             entry = sweep[index]
@@ -385,8 +401,8 @@ def summary(report: dict) -> str:
             label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
             if entry.get("down_rank_max") is not None:
                 label += f", down in kernel up to rank {entry['down_rank_max']}"
-            if entry.get("ordered") is not None:
-                label += f", ordered rows by torch._grouped_mm {int(entry['ordered'])}"
+            if entry.get("grouped_mm") is not None:
+                label += f", torch._grouped_mm for {entry['grouped_mm']}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
@@ -420,10 +436,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="largest LoRA rank made inside the main GEMM (0: separate); several: ';'",
     )
     parser.add_argument(
-        "--ordered-grouped-mm",
+        "--grouped-mm",
         default=None,
-        help="1: the fused path's GEMMs over rows in expert order through torch._grouped_mm, 0: the Triton "
-        "kernel (lightning_sloth.moe.indexed.ORDERED_ROWS_GROUPED_MM); several: ';'",
+        help="which of the fused path's GEMMs run torch._grouped_mm: none, ordered (rows already in expert "
+        "order), gathered (rows read through the permutation, from a gathered copy), both; several: ';'",
     )
     parser.add_argument(
         "--group-m",
@@ -452,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.systems = args.systems or (FUSED_SYSTEMS if args.fused else "eager,grouped_mm,sloth")
     args.out = args.out or _default_out(args.fused)
     try:
-        variants = _variants(args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.ordered_grouped_mm)
+        variants = _variants(args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm)
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])
@@ -472,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_tiles": args.fused_tiles,
         "wgrad_tiles": args.wgrad_tiles,
         "down_rank_max": args.down_rank_max,
-        "ordered_grouped_mm": args.ordered_grouped_mm,
+        "grouped_mm": args.grouped_mm,
         "group_m": args.group_m,
         "rounds": args.rounds,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},

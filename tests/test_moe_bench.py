@@ -22,7 +22,12 @@ def test_the_sweep_moves_one_knob_at_a_time():
     ]
     assert bench._variants(None, None) == [(None, None, None, None)]
     assert bench._variants(None, None, "32;0") == [(None, None, 32, None), (None, None, 0, None)]
-    assert bench._variants(None, None, None, "0;1") == [(None, None, None, False), (None, None, None, True)]
+    assert bench._variants(None, None, None, "none;both") == [
+        (None, None, None, "none"),
+        (None, None, None, "both"),
+    ]
+    with pytest.raises(ValueError, match="--grouped-mm takes"):
+        bench._variants(None, None, None, "all")
 
 
 def test_the_knobs_reach_the_kernels_module():
@@ -39,13 +44,16 @@ def test_the_knobs_reach_the_kernels_module():
 def test_the_down_rank_knob_reaches_the_ops_and_comes_back():
     from lightning_sloth.moe import indexed
 
-    default, ordered = indexed.DOWN_IN_KERNEL_MAX_RANK, indexed.ORDERED_ROWS_GROUPED_MM
+    default = indexed.DOWN_IN_KERNEL_MAX_RANK
+    flags = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     try:
-        bench._set_tiles(None, None, 0, not ordered)
-        assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0 and indexed.ORDERED_ROWS_GROUPED_MM is not ordered
+        bench._set_tiles(None, None, 0, "gathered")
+        assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0
+        assert (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM) == (False, True)
     finally:
         bench._set_tiles(None, None)
-    assert default == indexed.DOWN_IN_KERNEL_MAX_RANK and ordered == indexed.ORDERED_ROWS_GROUPED_MM
+    assert default == indexed.DOWN_IN_KERNEL_MAX_RANK
+    assert flags == (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     assert bench._ranks("default;0") == [None, 0]
 
 

@@ -139,22 +139,33 @@ def test_ops_equal_the_separate_passes_in_float64(transposed, top_k):
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-def test_rows_in_expert_order_through_grouped_mm_equal_the_separate_passes(transposed, top_k, monkeypatch):
+@pytest.mark.parametrize("flags", [("ORDERED",), ("GATHERED",), ("ORDERED", "GATHERED")])
+def test_gemms_through_grouped_mm_equal_the_separate_passes(transposed, top_k, flags, monkeypatch):
     """ORDERED_ROWS_GROUPED_MM: the second GEMM's forward and the first's input gradient make their rows
     in expert order (torch._grouped_mm on Hopper; the per-expert reference here) and sum each token's
-    k rows through the inverse permutation; the routing weights' gradient reads them the same way."""
+    k rows through the inverse permutation; the routing weights' gradient reads them the same way.
+    GATHERED_ROWS_GROUPED_MM: the first GEMM's forward and the second's input gradient make the
+    gathered (scaled) copy instead of reading through the permutation. Both: every GEMM is CUTLASS's."""
     from lightning_sloth.moe import indexed
 
     calls = []
-    for name in ("ordered_rows_sum", "ordered_rows_dot", "ordered_input_grad_sum"):
-        real = getattr(indexed, name)
-        monkeypatch.setattr(indexed, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
-    monkeypatch.setattr(indexed, "ORDERED_ROWS_GROUPED_MM", True)
+    spied = {
+        "ORDERED": ("ordered_rows_sum", "ordered_rows_dot", "ordered_input_grad_sum"),
+        "GATHERED": ("gathered_rows",),
+    }
+    for flag in flags:
+        monkeypatch.setattr(indexed, f"{flag}_ROWS_GROUPED_MM", True)
+        for name in spied[flag]:
+            real = getattr(indexed, name)
+            monkeypatch.setattr(
+                indexed, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+            )
     monkeypatch.setattr(indexed, "_grouped_mm_takes", lambda x, shape: True)
     for rank, bias, weighted in ((8, False, True), (0, True, True), (8, True, False)):
         _compare(_case(transposed, top_k, rank, bias), torch.float64, 1e-12, 1e-12, weighted)
-    assert {"ordered_rows_sum", "ordered_rows_dot", "ordered_input_grad_sum"} <= set(calls)
+    assert {n for f in flags for n in spied[f]} <= set(calls)
     assert not indexed.ordered_grouped_mm(torch.zeros(2, 8), [3, 8, 8], 3)  # rank 3: rows of 6 bytes
+    assert not indexed.gathered_grouped_mm(torch.zeros(2, 8), [3, 8, 8], 3)
 
 
 def test_opcheck_both_ops():

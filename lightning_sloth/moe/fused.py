@@ -98,6 +98,9 @@ def _gather_op(
 ) -> tuple[Tensor, Tensor]:
     """``(out [S, N], xa [S, r])``: row s of x is token ``perm[s] // top_k``; ``out = x W_e + b_e + s xa B_e^T``."""
     w = _weight(weight, absmax, code, blocksize, shape, x.dtype)
+    if _ix.gathered_grouped_mm(x, shape, lora_a.shape[1]):  # the gathered copy through torch._grouped_mm
+        rows = _ix.gathered_rows(x, perm, top_k)
+        return lora_rows(rows, w, bias, lora_a, lora_b, scale, ends, expert_ids, transposed)
     if not lora_a.shape[1]:
         out = _gemm(x, w, ends, transposed, a_idx=perm, div=top_k, bias=bias, expert_ids=expert_ids)
         return out, x.new_empty((perm.shape[0], 0))
@@ -330,14 +333,18 @@ def _combine_backward_op(
     rank = lora_a.shape[1]
     flat = None if weights is None else weights.reshape(-1)
     rows = dict(a_idx=perm, div=top_k, scale=flat)
-    one_pass = need_in and rank > 0  # g made inside the input gradient's GEMM (or as its first pass)
+    gathered = (need_in or need_a) and _ix.gathered_grouped_mm(grad, shape, rank)
+    grows = _ix.gathered_rows(grad, perm, top_k, flat) if gathered else None  # the gathered, scaled copy
+    one_pass = need_in and rank > 0 and not gathered  # g made inside the input gradient's GEMM
     g = None
     if rank and (need_in or need_a) and not one_pass:
-        g = _gemm(grad, lora_b, ends, True, **rows) * scale  # [S, r]
+        g = (_mm(grows, lora_b, ends, True) if gathered else _gemm(grad, lora_b, ends, True, **rows)) * scale
     da_in = grad.new_empty(0)
     if need_in:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
-        if one_pass:
+        if gathered:
+            da_in = _ix.lora_input_grad(grows, w, ends, not transposed, g, lora_a)
+        elif one_pass:
             lora = dict(
                 down=lora_b, down_is_kn=True, up=lora_a, up_is_kn=True, lora_scale=scale, keep_scaled=True
             )

@@ -25,13 +25,17 @@ if TRITON_OPS or _INTERPRETED:
     from lightning_sloth.kernels import moe_fused as _kernels
 
 __all__ = [
+    "GATHERED_ROWS_GROUPED_MM",
     "ORDERED_ROWS_GROUPED_MM",
     "bias_grad",
     "down_in_kernel",
     "expert_weight",
+    "gathered_grouped_mm",
+    "gathered_rows",
     "indexed_grouped_mm",
     "indexed_lora_grouped_mm",
     "indexed_weight_grad",
+    "lora_input_grad",
     "ordered_grouped_mm",
     "ordered_input_grad_sum",
     "ordered_rows_dot",
@@ -291,10 +295,37 @@ def ordered_rows_dot(dout: Tensor, rows: Tensor, perm: Tensor, top_k: int) -> Te
     return slot_dot(dout, rows.index_select(0, inv), top_k)
 
 
+def lora_input_grad(
+    rows: Tensor, w: Tensor, ends: Tensor, w_is_kn: bool, g: Tensor | None, lora_a: Tensor
+) -> Tensor:
+    """``[S, K]`` in expert order: ``rows @ W_e^T (+ g @ A_e)`` by ``torch._grouped_mm`` and the rank-r pass."""
+    out = _mm(rows, w, ends, w_is_kn=w_is_kn)
+    return _mm_into(out, g, lora_a, ends, w_is_kn=True) if g is not None else out
+
+
 def ordered_input_grad_sum(grad, w, ends, w_is_kn, g, lora_a, perm, top_k) -> Tensor:
     """``[T, K]``: each token's sum over its k rows of ``grad @ W_e^T (+ g @ A_e)``, the rows made in
     expert order by ``torch._grouped_mm`` and summed through the inverse permutation."""
-    rows = _mm(grad, w, ends, w_is_kn=w_is_kn)
-    if g is not None:
-        rows = _mm_into(rows, g, lora_a, ends, w_is_kn=True)
-    return ordered_rows_sum(rows, perm, top_k, None)
+    return ordered_rows_sum(lora_input_grad(grad, w, ends, w_is_kn, g, lora_a), perm, top_k, None)
+
+
+GATHERED_ROWS_GROUPED_MM = False
+"""Whether the fused path's two GEMMs that read their rows through the permutation (the first GEMM's
+forward, the second GEMM's input gradient) make the gathered copy and run ``torch._grouped_mm`` on it,
+as the separate path does, while the sums, the combine and the weight gradients stay fused. With
+:data:`ORDERED_ROWS_GROUPED_MM` every expert GEMM is CUTLASS's. Off until measured
+(``benchmarks/moe_bench.py --gathered-grouped-mm``)."""
+
+
+def gathered_grouped_mm(x: Tensor, shape, rank: int) -> bool:
+    """Whether rows read through the permutation from x take the gathered ``torch._grouped_mm`` path."""
+    return GATHERED_ROWS_GROUPED_MM and rank % 8 == 0 and _grouped_mm_takes(x, shape)
+
+
+def gathered_rows(x: Tensor, perm: Tensor, top_k: int, scale: Tensor | None = None) -> Tensor:
+    """``[S, K]``: ``x[perm[s] // k]`` (times ``scale[perm[s]]``, rounded to x's dtype as a scaled copy is)."""
+    rows = x.index_select(0, perm // top_k)
+    if scale is None:
+        return rows
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return (rows.to(compute) * scale.to(compute).index_select(0, perm)[:, None]).to(x.dtype)

@@ -1,8 +1,8 @@
 """GPU checks of the fused-permutation MoE path (``lightning_sloth.moe.fused``): bf16 parity of both ops
 with a float64 reference (Hopper-sized tiles, odd sizes, idle experts, top_k 1/2/8), the bits of two runs,
 the experts of Qwen3-MoE and GPT-OSS with LoRA (dense and NF4) against the current path, opcheck on
-the ``triton_op`` path, and no host sync in a training step; each also with the GEMMs over rows in
-expert order through ``torch._grouped_mm`` (``ORDERED_ROWS_GROUPED_MM``).
+the ``triton_op`` path, and no host sync in a training step; each also with every expert GEMM through
+``torch._grouped_mm`` (``ORDERED_ROWS_GROUPED_MM``, ``GATHERED_ROWS_GROUPED_MM``).
 
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_moe_fused_gpu.py`` (under a minute).
 """
@@ -34,13 +34,15 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.fixture(params=[False, True], ids=["slot-order", "ordered-grouped-mm"])
+@pytest.fixture(params=[False, True], ids=["triton-gemms", "grouped-mm-gemms"])
 def ordered(request, monkeypatch):
-    """Both ways of the two GEMMs over rows in expert order: the Triton kernel writing slot order, and
-    torch._grouped_mm in expert order summed through the inverse permutation (bf16 on Hopper)."""
+    """Both ways of the expert GEMMs: the Triton kernels reading and writing through the permutation,
+    and torch._grouped_mm for all four (bf16 on Hopper): the rows in expert order summed through the
+    inverse permutation (ORDERED_ROWS_GROUPED_MM), the gathered copies (GATHERED_ROWS_GROUPED_MM)."""
     from lightning_sloth.moe import indexed
 
     monkeypatch.setattr(indexed, "ORDERED_ROWS_GROUPED_MM", request.param)
+    monkeypatch.setattr(indexed, "GATHERED_ROWS_GROUPED_MM", request.param)
     return request.param
 
 
