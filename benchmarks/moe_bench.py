@@ -214,13 +214,6 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 
 _DEFAULT_DOWN_RANK_MAX = None
 _DEFAULT_GROUPED_MM = None
-GROUPED_MM_CHOICES = {
-    "none": (False, False),
-    "ordered": (True, False),
-    "gathered": (False, True),
-    "both": (True, True),
-}
-"""``--grouped-mm`` values: (ORDERED_ROWS_GROUPED_MM, GATHERED_ROWS_GROUPED_MM) of the fused path."""
 
 
 def _set_tiles(
@@ -239,7 +232,7 @@ def _set_tiles(
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
         _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
-    flags = _DEFAULT_GROUPED_MM if grouped is None else GROUPED_MM_CHOICES[grouped]
+    flags = _DEFAULT_GROUPED_MM if grouped is None else indexed.grouped_mm_choice(grouped)
     indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM = flags
 
 
@@ -254,10 +247,12 @@ def _grouped(text: str | None) -> list[str | None]:
     """``"none;both"`` -> ``["none", "both"]`` (``None`` for the default: no text, or ``default``)."""
     if not text:
         return [None]
+    from lightning_sloth.moe.indexed import grouped_mm_choice
+
     out = [None if part.strip() in ("", "default") else part.strip() for part in text.split(";")]
-    unknown = [v for v in out if v is not None and v not in GROUPED_MM_CHOICES]
-    if unknown:
-        raise ValueError(f"--grouped-mm takes {sorted(GROUPED_MM_CHOICES)}, got {unknown}")
+    for value in out:
+        if value is not None:
+            grouped_mm_choice(value)  # a clear error for an unknown name
     return out
 
 

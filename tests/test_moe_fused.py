@@ -596,3 +596,21 @@ def test_kernels_under_triton_interpreter():
     assert result.returncode == 0 and " passed" in result.stdout, (
         result.stdout[-5000:] + result.stderr[-2000:]
     )
+
+
+def test_grouped_mm_choice_from_the_environment():
+    """LIGHTNING_SLOTH_MOE_GROUPED_MM sets both flags at import; a wrong name is an error naming it."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from lightning_sloth.moe import indexed as i; print(i.ORDERED_ROWS_GROUPED_MM, i.GATHERED_ROWS_GROUPED_MM)"
+    for name, want in (("both", "True True"), ("gathered", "False True"), ("", "False False")):
+        env = {**os.environ, "LIGHTNING_SLOTH_MOE_GROUPED_MM": name}
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0 and done.stdout.split()[-2:] == want.split(), done.stderr[-2000:]
+    env = {**os.environ, "LIGHTNING_SLOTH_MOE_GROUPED_MM": "all"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "LIGHTNING_SLOTH_MOE_GROUPED_MM / --grouped-mm takes" in done.stderr

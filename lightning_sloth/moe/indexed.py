@@ -26,12 +26,14 @@ if TRITON_OPS or _INTERPRETED:
 
 __all__ = [
     "GATHERED_ROWS_GROUPED_MM",
+    "GROUPED_MM_CHOICES",
     "ORDERED_ROWS_GROUPED_MM",
     "bias_grad",
     "down_in_kernel",
     "expert_weight",
     "gathered_grouped_mm",
     "gathered_rows",
+    "grouped_mm_choice",
     "indexed_grouped_mm",
     "indexed_lora_grouped_mm",
     "indexed_weight_grad",
@@ -247,7 +249,29 @@ def bias_grad(
 
 
 # ------------------------------------------------- rows already in expert order: torch._grouped_mm
-ORDERED_ROWS_GROUPED_MM = False
+GROUPED_MM_CHOICES = {
+    "none": (False, False),
+    "ordered": (True, False),
+    "gathered": (False, True),
+    "both": (True, True),
+}
+"""Which of the fused path's expert GEMMs run ``torch._grouped_mm``: (:data:`ORDERED_ROWS_GROUPED_MM`,
+:data:`GATHERED_ROWS_GROUPED_MM`) by name, as ``LIGHTNING_SLOTH_MOE_GROUPED_MM`` in the environment
+and ``benchmarks/moe_bench.py --grouped-mm`` take them."""
+
+
+def grouped_mm_choice(name: str) -> tuple[bool, bool]:
+    """``(ordered, gathered)`` for a :data:`GROUPED_MM_CHOICES` name; a clear error for any other."""
+    if name not in GROUPED_MM_CHOICES:
+        raise ValueError(
+            f"LIGHTNING_SLOTH_MOE_GROUPED_MM / --grouped-mm takes {sorted(GROUPED_MM_CHOICES)}, got {name!r}"
+        )
+    return GROUPED_MM_CHOICES[name]
+
+
+_FROM_ENV = grouped_mm_choice(os.environ.get("LIGHTNING_SLOTH_MOE_GROUPED_MM", "none") or "none")
+
+ORDERED_ROWS_GROUPED_MM = _FROM_ENV[0]
 """Whether the fused path's two GEMMs whose input rows are already in expert order (the second GEMM's
 forward, the first GEMM's input gradient) run ``torch._grouped_mm`` (CUTLASS, Hopper bfloat16) in expert
 order, each token's k rows then summed through the inverse permutation, instead of the Triton kernel
@@ -309,7 +333,7 @@ def ordered_input_grad_sum(grad, w, ends, w_is_kn, g, lora_a, perm, top_k) -> Te
     return ordered_rows_sum(lora_input_grad(grad, w, ends, w_is_kn, g, lora_a), perm, top_k, None)
 
 
-GATHERED_ROWS_GROUPED_MM = False
+GATHERED_ROWS_GROUPED_MM = _FROM_ENV[1]
 """Whether the fused path's two GEMMs that read their rows through the permutation (the first GEMM's
 forward, the second GEMM's input gradient) make the gathered copy and run ``torch._grouped_mm`` on it,
 as the separate path does, while the sums, the combine and the weight gradients stay fused. With
