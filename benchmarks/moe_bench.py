@@ -195,21 +195,23 @@ def profile(block, x, grad, path: str, title: str) -> None:
         f.write("\n")
 
 
-def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
-    """``"a,b,c,d,e;..."`` -> a list of 5-tuples (``None`` for the default: no text, or ``default``)."""
+def _knob(text: str | None, parse) -> list:
+    """A knob's ``;``-separated values, each parsed (``None`` for the default: no text, or ``default``)."""
     if not text:
         return [None]
-    configs = []
-    for part in text.split(";"):
-        part = part.strip()
-        if part in ("", "default"):
-            configs.append(None)
-            continue
-        values = tuple(int(v) for v in part.split(","))
-        if len(values) != 5:
-            raise ValueError(f"a tile configuration has five integers (sizes, warps, stages), got {part!r}")
-        configs.append(values)
-    return configs
+    return [None if part.strip() in ("", "default") else parse(part.strip()) for part in text.split(";")]
+
+
+def _tile(part: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in part.split(","))
+    if len(values) != 5:
+        raise ValueError(f"a tile configuration has five integers (sizes, warps, stages), got {part!r}")
+    return values
+
+
+def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
+    """``"a,b,c,d,e;..."`` -> a list of 5-tuples."""
+    return _knob(text, _tile)
 
 
 _DEFAULT_DOWN_RANK_MAX = None
@@ -237,23 +239,19 @@ def _set_tiles(
 
 
 def _ranks(text: str | None) -> list[int | None]:
-    """``"32;0"`` -> ``[32, 0]`` (``None`` for the default: no text, or ``default``)."""
-    if not text:
-        return [None]
-    return [None if part.strip() in ("", "default") else int(part) for part in text.split(";")]
+    """``"32;0"`` -> ``[32, 0]``."""
+    return _knob(text, int)
 
 
 def _grouped(text: str | None) -> list[str | None]:
-    """``"none;both"`` -> ``["none", "both"]`` (``None`` for the default: no text, or ``default``)."""
-    if not text:
-        return [None]
+    """``"none;both"`` -> ``["none", "both"]``; an unknown name is an error naming the choices."""
     from lightning_sloth.moe.indexed import grouped_mm_choice
 
-    out = [None if part.strip() in ("", "default") else part.strip() for part in text.split(";")]
-    for value in out:
-        if value is not None:
-            grouped_mm_choice(value)  # a clear error for an unknown name
-    return out
+    def checked(name: str) -> str:
+        grouped_mm_choice(name)
+        return name
+
+    return _knob(text, checked)
 
 
 def _variants(

@@ -278,6 +278,16 @@ def weighted_swiglu_backward(
 
 
 @triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b``: float32 operands in IEEE precision (no TF32), 16-bit ones in a's dtype."""
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b.to(a.dtype), acc)
+    return acc
+
+
+@triton.jit
 def _grouped_mm_kernel(
     X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, n_out, n_in,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
@@ -306,10 +316,7 @@ def _grouped_mm_kernel(
                 mask=k_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )
-            if x.dtype == tl.float32:
-                acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
+            acc = _dot(x, w, acc)
         out_ptrs = OUT + rows[:, None] * stride_om + cols[None, :] * stride_on
         out_mask = row_mask[:, None] & col_mask[None, :]
         if HAS_BIAS:
@@ -399,10 +406,7 @@ def _grouped_mm_weight_grad_kernel(
             mask=row_mask[:, None] & mask_b[None, :],
             other=0.0,
         )
-        if a.dtype == tl.float32:
-            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b.to(a.dtype), acc)
+        acc = _dot(a, b, acc)
     tl.store(
         OUT + expert * stride_oe + cols_a[:, None] * stride_oa + cols_b[None, :] * stride_ob,
         acc.to(OUT.dtype.element_ty),

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
-from lightning_sloth.kernels.moe import _ROW_BLOCK, _tile_table
+from lightning_sloth.kernels.moe import _ROW_BLOCK, _dot, _tile_table
 from triton.runtime.errors import OutOfResources
 
 __all__ = [
@@ -136,20 +136,14 @@ def _indexed_grouped_mm_kernel(
                 mask=w_mask,
                 other=0.0,
             )
-            if x.dtype == tl.float32:
-                acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
+            acc = _dot(x, w, acc)
             if DOWN_IN_KERNEL:
                 d = tl.load(
                     DOWN + expert * stride_de + ks[:, None] * stride_dk + rs[None, :] * stride_dr,
                     mask=r_mask[None, :] if EVEN_K else k_mask[:, None] & r_mask[None, :],
                     other=0.0,
                 )
-                if x.dtype == tl.float32:
-                    acc_r = tl.dot(x, d.to(tl.float32), acc_r, input_precision="ieee")
-                else:
-                    acc_r = tl.dot(x, d.to(x.dtype), acc_r)
+                acc_r = _dot(x, d, acc_r)
         if SCALED:
             row_scale = tl.load(SCALE + slots, mask=row_mask, other=0.0).to(tl.float32)[:, None]
             acc = acc * row_scale
@@ -171,10 +165,7 @@ def _indexed_grouped_mm_kernel(
                 mask=r_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )
-            if x2.dtype == tl.float32:
-                acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x2, w2.to(x2.dtype), acc)
+            acc = _dot(x2, w2, acc)
         if HAS_X2:  # the rank-r LoRA term into the same accumulator: no second pass over the output
             for k0 in range(0, n_in2, BK2):
                 ks = k0 + tl.arange(0, BK2)
@@ -189,10 +180,7 @@ def _indexed_grouped_mm_kernel(
                     mask=k_mask[:, None] & col_mask[None, :],
                     other=0.0,
                 )
-                if x2.dtype == tl.float32:
-                    acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x2, w2.to(x2.dtype), acc)
+                acc = _dot(x2, w2, acc)
         if HAS_BIAS:
             acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if OUT_INDEXED:
@@ -363,10 +351,7 @@ def _indexed_weight_grad_kernel(
         if B_SCALED:
             s = tl.load(B_SCALE + slot_b, mask=row_mask, other=0.0).to(tl.float32)
             b = (b.to(tl.float32) * s[:, None]).to(B.dtype.element_ty)
-        if a.dtype == tl.float32:
-            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b.to(a.dtype), acc)
+        acc = _dot(a, b, acc)
     tl.store(
         OUT + expert * stride_oe + cols_a[:, None] * stride_oa + cols_b[None, :] * stride_ob,
         acc.to(OUT.dtype.element_ty),

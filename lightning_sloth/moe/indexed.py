@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from lightning_sloth.moe.gemm import _mm, _mm_into, _weight_grad, grouped_mm_reference
+from lightning_sloth.moe.ops import _combine_weight_grad, _gather_sum, _rows
 from lightning_sloth.moe.quant import _weight as _dequantized
+from lightning_sloth.moe.routing import inverse_permutation
 from lightning_sloth.ops.registry import TRITON_OPS, use_triton
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if TRITON_OPS or _INTERPRETED:
-    from lightning_sloth.kernels import moe as _moe_kernels
     from lightning_sloth.kernels import moe_fused as _kernels
 
 __all__ = [
@@ -277,7 +278,7 @@ forward, the first GEMM's input gradient) run ``torch._grouped_mm`` (CUTLASS, Ho
 order, each token's k rows then summed through the inverse permutation, instead of the Triton kernel
 writing slot order. Only the rows' write order changes: the gathered copies stay avoided (those two
 GEMMs read their rows in place either way). Off until measured
-(``benchmarks/moe_bench.py --ordered-grouped-mm``)."""
+(``benchmarks/moe_bench.py --grouped-mm``)."""
 
 
 def _grouped_mm_takes(x: Tensor, shape) -> bool:
@@ -296,27 +297,14 @@ def ordered_grouped_mm(x: Tensor, shape, rank: int) -> bool:
     return ORDERED_ROWS_GROUPED_MM and rank % 8 == 0 and _grouped_mm_takes(x, shape)
 
 
-def inverse_permutation(perm: Tensor) -> Tensor:
-    """``inv[perm[s]] = s``: the sorted row of each slot (a device op, no host sync)."""
-    return torch.empty_like(perm).scatter_(
-        0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
-    )
-
-
 def ordered_rows_sum(rows: Tensor, perm: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
     """``[T, N]``: ``sum_j (w[t, j] *) rows[inv[t k + j]]`` of expert-ordered rows, fp32, j in order."""
-    inv = inverse_permutation(perm)
-    if use_triton(rows):
-        return _moe_kernels.gather_sum(rows, inv, top_k, weights)
-    return slot_sum(rows.index_select(0, inv), top_k, weights)
+    return _gather_sum(rows, inverse_permutation(perm), top_k, weights)
 
 
 def ordered_rows_dot(dout: Tensor, rows: Tensor, perm: Tensor, top_k: int) -> Tensor:
     """float32 ``[T, k]``: ``<dout[t], rows[inv[t k + j]]>`` of expert-ordered rows (the routing weights' gradient)."""
-    inv = inverse_permutation(perm)
-    if use_triton(rows):
-        return _moe_kernels.combine_weight_grad(dout, rows, inv, top_k)
-    return slot_dot(dout, rows.index_select(0, inv), top_k)
+    return _combine_weight_grad(dout, rows, inverse_permutation(perm), top_k)
 
 
 def lora_input_grad(
@@ -338,7 +326,7 @@ GATHERED_ROWS_GROUPED_MM = _FROM_ENV[1]
 forward, the second GEMM's input gradient) make the gathered copy and run ``torch._grouped_mm`` on it,
 as the separate path does, while the sums, the combine and the weight gradients stay fused. With
 :data:`ORDERED_ROWS_GROUPED_MM` every expert GEMM is CUTLASS's. Off until measured
-(``benchmarks/moe_bench.py --gathered-grouped-mm``)."""
+(``benchmarks/moe_bench.py --grouped-mm``)."""
 
 
 def gathered_grouped_mm(x: Tensor, shape, rank: int) -> bool:
@@ -348,8 +336,4 @@ def gathered_grouped_mm(x: Tensor, shape, rank: int) -> bool:
 
 def gathered_rows(x: Tensor, perm: Tensor, top_k: int, scale: Tensor | None = None) -> Tensor:
     """``[S, K]``: ``x[perm[s] // k]`` (times ``scale[perm[s]]``, rounded to x's dtype as a scaled copy is)."""
-    rows = x.index_select(0, perm // top_k)
-    if scale is None:
-        return rows
-    compute = torch.promote_types(x.dtype, torch.float32)
-    return (rows.to(compute) * scale.to(compute).index_select(0, perm)[:, None]).to(x.dtype)
+    return _rows(x, perm, top_k, scale)  # the separate path's gather (its Triton kernel on CUDA)

@@ -80,6 +80,15 @@ def _rows(src: Tensor, idx: Tensor, div: int, scale: Tensor | None) -> Tensor:
     return (out.to(torch.promote_types(out.dtype, torch.float32)) * scale[idx, None]).to(src.dtype)
 
 
+def _combine_weight_grad(grad: Tensor, y: Tensor, inv: Tensor, top_k: int) -> Tensor:
+    """``[T, k]``: ``<grad[t], y[inv[t k + j]]>`` in fp32 (the routing weights' gradient)."""
+    if use_triton(grad):
+        return _kernels.combine_weight_grad(grad, y, inv, top_k)
+    compute = torch.promote_types(y.dtype, torch.float32)
+    rows = y.index_select(0, inv).to(compute).view(-1, top_k, y.shape[1])
+    return (rows * grad.to(compute)[:, None, :]).sum(-1)
+
+
 def _gather_sum(src: Tensor, inv: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
     if use_triton(src):
         return _kernels.gather_sum(src, inv, top_k, weights)
@@ -160,13 +169,7 @@ def _combine_backward_op(
     dy = _rows(grad, perm, top_k, flat) if need_y else grad.new_empty(0)
     if not need_w:
         return dy, grad.new_empty(0)
-    if use_triton(grad):
-        dw = _kernels.combine_weight_grad(grad, y, inv, top_k)
-    else:
-        compute = torch.promote_types(y.dtype, torch.float32)
-        rows = y.index_select(0, inv).to(compute).view(-1, top_k, y.shape[1])
-        dw = (rows * grad.to(compute)[:, None, :]).sum(-1)
-    return dy, dw.to(weights.dtype)
+    return dy, _combine_weight_grad(grad, y, inv, top_k).to(weights.dtype)
 
 
 @_combine_backward_op.register_fake

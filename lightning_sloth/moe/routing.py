@@ -40,6 +40,7 @@ __all__ = [
     "ROUTERS",
     "Grouping",
     "group_by_expert",
+    "inverse_permutation",
     "route_sigmoid_group_topk",
     "route_softmax_topk",
     "route_topk_sigmoid",
@@ -81,9 +82,13 @@ def group_by_expert(top_k_index: Tensor, num_experts: int) -> Grouping:
     experts = torch.arange(num_experts, device=flat.device, dtype=expert_ids.dtype)
     ends = torch.searchsorted(expert_ids, experts, right=True, out_int32=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    positions = torch.arange(flat.shape[0], device=flat.device)
-    inv = torch.empty_like(perm).scatter_(0, perm, positions)
-    return Grouping(perm, inv, expert_ids.to(torch.int64), ends, counts)
+    return Grouping(perm, inverse_permutation(perm), expert_ids.to(torch.int64), ends, counts)
+
+
+def inverse_permutation(perm: Tensor) -> Tensor:
+    """``inv[perm[s]] = s``: the sorted position of each slot (a device op, no host sync)."""
+    positions = torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
+    return torch.empty_like(perm).scatter_(0, perm, positions)
 
 
 def router_logits(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
