@@ -50,6 +50,9 @@ TILES: tuple[int, int, int, int, int] | None = None
 GROUP_M = 8
 """M tiles per group of the program order (1: N tiles fastest, one M tile at a time)."""
 
+SHALLOW_K_MAX_IN = 2048
+"""Up to this many inputs the built-in tiles are 32 deep in K with 5 stages (64 x 4 above it)."""
+
 WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 """``(BA, BB, BR, num_warps, num_stages)`` of the weight-gradient kernel for 16-bit CUDA operands
 (a benchmark's sweep sets it; None keeps the default). BA and BB shrink to a rank-r side."""
@@ -67,12 +70,16 @@ def _tiles(
     """``(BM, BN, BK, num_warps, num_stages)``: Hopper-sized tiles for 16-bit CUDA operands, small ones
     elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side.
 
-    The built-in choice is the H100 sweep's best (``benchmarks/results/moe_fused_sweep2_h100.json``)
-    with as many of its 4 pipeline stages as the device's shared memory holds: a stage is an X and a W
-    tile, plus a ``[BK, side]`` tile of the LoRA down factor when the kernel makes the rank-r side
-    (4 on Hopper, 3 on Ampere)."""
+    The built-in choice is the H100 sweep's best (``benchmarks/results/moe_fused_sweep2_h100.json``),
+    64-deep K tiles in 4 stages; up to 2,048 inputs 32-deep ones in 5 stages, which won every
+    interleaved round on the Qwen3-30B-A3B block (K 2,048 and 768) and lost on GPT-OSS-20B's 2,880
+    (``moe_fused_grouped_mm_rounds_h200.json``). As many of the stages as the device's shared memory
+    holds: a stage is an X and a W tile, plus a ``[BK, side]`` tile of the LoRA down factor when the
+    kernel makes the rank-r side (all of them on Hopper, 3 of 4 on Ampere)."""
     big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    bm, bn, bk, warps, stages = (TILES or (128, 256, 64, 8, 4)) if big else (64, 64, 32, 4, 2)
+    shallow = n_in <= SHALLOW_K_MAX_IN
+    built_in = (128, 256, 32, 8, 5) if shallow else (128, 256, 64, 8, 4)
+    bm, bn, bk, warps, stages = (TILES or built_in) if big else (64, 64, 32, 4, 2)
     bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
     bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
     if big and TILES is None:

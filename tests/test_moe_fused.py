@@ -549,18 +549,22 @@ def test_kernels_interpreted_one_pass_that_does_not_fit_falls_back_with_a_warnin
 
 
 def test_pipeline_stages_are_what_the_shared_memory_holds(monkeypatch):
-    """The built-in tiles keep 4 stages where they fit (Hopper's 227 KiB, also with a rank-16 down
-    factor's tile), 3 on Ampere's 163 KiB (2 with a rank-32 one); small tiles off CUDA."""
+    """The built-in tiles keep their stages where they fit (Hopper's 227 KiB, also with a rank-16
+    down factor's tile), fewer on Ampere's 163 KiB with a wide side; 32-deep K tiles in 5 stages up
+    to 2,048 inputs, 64-deep in 4 above; small tiles off CUDA."""
     pytest.importorskip("triton")
     from lightning_sloth.kernels import moe_fused as kernels
 
     cuda = torch.device("cuda")
     for optin, stages in ((232_448, 4), (166_912, 3)):
         monkeypatch.setattr(kernels, "_shared_memory", lambda device, optin=optin: optin)
-        assert kernels._tiles(cuda, torch.bfloat16, 2048, 768) == (128, 256, 64, 8, stages)
-        assert kernels._tiles(cuda, torch.bfloat16, 2048, 768, side=16)[4] == stages
-    assert kernels._tiles(cuda, torch.bfloat16, 2048, 768, side=32)[4] == 2  # 3 x 52 KiB > 155 KiB
-    assert kernels._tiles(cuda, torch.bfloat16, 16, 2048) == (128, 16, 64, 8, 4)  # rank-r output: small tiles
+        assert kernels._tiles(cuda, torch.bfloat16, 2880, 2880) == (128, 256, 64, 8, stages)
+        assert kernels._tiles(cuda, torch.bfloat16, 2880, 2880, side=16)[4] == stages
+        assert kernels._tiles(cuda, torch.bfloat16, 2048, 768) == (128, 256, 32, 8, 5)  # 5 x 24 KiB
+        assert kernels._tiles(cuda, torch.bfloat16, 1536, 2048, side=16) == (128, 256, 32, 8, 5)
+    assert kernels._tiles(cuda, torch.bfloat16, 2880, 2880, side=32)[4] == 2  # 3 x 52 KiB > 155 KiB
+    assert kernels._tiles(cuda, torch.bfloat16, 16, 2048) == (128, 16, 32, 8, 5)  # rank-r output
+    assert kernels._tiles(cuda, torch.bfloat16, 16, 2880) == (128, 16, 64, 8, 4)
     assert kernels._tiles(torch.device("cpu"), torch.float32, 2048, 768) == (64, 64, 32, 4, 2)
 
 
