@@ -19,7 +19,8 @@ Tasks: ``default`` (the app's default run: LoRA on the packaged tiny base, synth
 ``llama_1b`` (``experiment=llama_1b_bench``: the Llama-3.2-1B shape, random weights, 16k-token
 batches; validated once, at the end, on 128 documents: each validation generates every response,
 which at 512 documents takes longer than the 200 training steps). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
-k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8_bf16grad``;
+k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8_bf16grad``,
+``fp8_exact_accum`` (the sums promoted to float32: ``precision.fp8_fast_accum=false``);
 ``nf4`` and ``nf4_fp8`` (QLoRA, NF4 bases requantised to FP8) on request::
 
     python benchmarks/fp8_loss_curves.py --task default  --steps 200          # about 2 minutes
@@ -59,6 +60,7 @@ VARIANTS = {
     "fp8_all": ["precision=fp8_lora", "precision.fp8_skip=[]"],
     "fp8_e5m2": ["precision=fp8_lora", "precision.fp8_grad=e5m2"],
     "fp8_bf16grad": ["precision=fp8_lora", "precision.fp8_grad=bf16"],
+    "fp8_exact_accum": ["precision=fp8_lora", "precision.fp8_fast_accum=false"],
     "nf4": ["precision=qlora_nf4"],
     "nf4_fp8": ["precision=fp8_lora", "precision.quantize=nf4"],
 }

@@ -228,7 +228,12 @@ def build_precision(precision: DictConfig) -> SlothPrecision:
     """``SlothPrecision`` of the ``precision`` node (``auto`` resolves on this machine)."""
     fp8 = {
         key: precision[key]
-        for key, default in (("base_dtype", None), ("fp8_grad", "e4m3"), ("fp8_training", False))
+        for key, default in (
+            ("base_dtype", None),
+            ("fp8_grad", "e4m3"),
+            ("fp8_training", False),
+            ("fp8_fast_accum", True),
+        )
         if precision.get(key, default) != default
     }
     quantize = precision.get("quantize")

@@ -149,7 +149,7 @@ def test_the_4bit_input_gradient_lets_the_row_major_codes_go_before_quantising_d
 
     alive = []
 
-    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False, out=None):
         y = ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
         return y if out is None else out.copy_(y)
 

@@ -55,6 +55,8 @@ FP8 systems (``systems=fp8``; FP8 tensor cores, sm89+):
                            passes of their own (``kernels={"glu_lora": False}``).
     sloth_nf4_fp8          ``sloth_nf4``'s NF4 storage, its products in FP8 (QLoRA with FP8 compute,
                            ``SlothPrecision(quantize="nf4", base_dtype="fp8")``).
+    sloth_fp8_exact_accum  ``sloth_fp8`` and ``sloth_nf4_fp8`` with the FP8 products promoting their
+    sloth_nf4_fp8_exact_accum  sums to float32 (``fp8_fast_accum=False``).
 
 The suite over these and the peers (Hydra configs under ``conf/bench/``, one JSON per run,
 
@@ -83,6 +85,7 @@ from lightning_sloth.bench.workload import (
     static_packed_batches,
 )
 from lightning_sloth.moe.fused import set_fused_permutation
+from lightning_sloth.ops import fp8 as fp8_ops
 from lightning_sloth.ops import lora_groups
 from lightning_sloth.patching import OPS
 from lightning_sloth.quant.fp8 import FP8_SKIP, fp8_base_model, fp8_compute_4bit
@@ -254,15 +257,21 @@ def _sloth_4bit(**settings) -> Callable:
 
 
 def _sloth_fp8(
-    grad_format: str = "e4m3", from_4bit: bool = False, skip: tuple[str, ...] = FP8_SKIP, **settings
+    grad_format: str = "e4m3",
+    from_4bit: bool = False,
+    skip: tuple[str, ...] = FP8_SKIP,
+    fast_accum: bool = True,
+    **settings,
 ) -> Callable:
     """lightning_sloth on FP8 base weights: the bf16 model with PEFT LoRA, its base linear layers
     requantised to FP8 e4m3 (``lm_head`` and ``skip`` kept: ``SlothPrecision``'s default
     ``fp8_skip``, the key and value projections); ``from_4bit``: the NF4 model, its storage kept
-    and its products but ``skip``'s in FP8 (QLoRA with FP8 compute). Then
-    ``transform_model(kernels=True)``."""
+    and its products but ``skip``'s in FP8 (QLoRA with FP8 compute). ``fast_accum``: the FP8
+    products' ``use_fast_accum`` (``SlothPrecision``'s ``fp8_fast_accum``; each system runs in a
+    process of its own). Then ``transform_model(kernels=True)``."""
 
     def setup(workload: Workload):
+        fp8_ops.FAST_ACCUM = fast_accum
         base = quantized_base_model(workload) if from_4bit else None
         model = build_model(workload, "sdpa", checkpointing=False, base=base)
         if from_4bit:
@@ -497,6 +506,16 @@ SUITE_SYSTEMS.update(
         "sloth_nf4_fp8": SuiteSystem(
             'lightning_sloth, quantize="nf4" + base_dtype="fp8" (NF4 storage, FP8 compute)',
             _sloth_fp8(from_4bit=True),
+            packed_batches,
+        ),
+        "sloth_fp8_exact_accum": SuiteSystem(
+            'lightning_sloth, base_dtype="fp8", fp8_fast_accum=False',
+            _sloth_fp8(fast_accum=False),
+            packed_batches,
+        ),
+        "sloth_nf4_fp8_exact_accum": SuiteSystem(
+            'lightning_sloth, quantize="nf4" + base_dtype="fp8", fp8_fast_accum=False',
+            _sloth_fp8(from_4bit=True, fast_accum=False),
             packed_batches,
         ),
     }

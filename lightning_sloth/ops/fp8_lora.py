@@ -32,6 +32,7 @@ from lightning_sloth.ops.fp8 import (
     fp8_grad_product,
     fp8_product,
     quantize_activation,
+    scaled_mm,
     scaled_mm_applies,
 )
 from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, quantize_rows
@@ -404,7 +405,7 @@ class SharedInputLoraFP8(torch.autograd.Function):
             if rows.shape[0] == 0:
                 y = rows.new_zeros(0, w.shape[0])
             elif fp8_gemm:
-                y = torch._scaled_mm(qx, w.t(), scale_a=sx, scale_b=w_scale.t(), out_dtype=rows.dtype)
+                y = scaled_mm(qx, w.t(), sx, w_scale.t(), rows.dtype)
             else:
                 y = (x_dq @ dequantize_rows(w, w_scale).t()).to(rows.dtype)
             r = a.shape[0]
