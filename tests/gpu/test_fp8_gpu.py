@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu  # on a GPU with FP8 tensor cores (sm89+: Ada, Hopp
 SHAPES = [(2048, 4096, 4096), (1000, 4096, 1024), (333, 2048, 8192)]
 
 
-def _close_to_emulation(actual, emulated, rounded_part=None):
+def _close_to_emulation(actual, emulated, rounded_part=None, depth=4096):
     """Both are sums of the same FP8 products rounded to bf16, but Hopper's FP8 tensor cores add with
     a narrower accumulator than float32 (measured: up to 7e-4 of the output's mean magnitude on
     K = 4096, where the emulation's float32 sum is exact to 1e-7). So each element may differ by one
@@ -36,12 +36,15 @@ def _close_to_emulation(actual, emulated, rounded_part=None):
 
     With fast accumulation (``FAST_ACCUM``, the default) the tensor cores keep their narrower sum
     over the whole K loop instead of promoting it to float32 every few steps: 4x that absolute part
-    (2^-6 of the mean magnitude; measured 2-3e-3 of the output's norm on the 8B projections,
-    ``benchmarks/results/fp8_accum_h200.json``), the same bound on the whole."""
+    (2^-6 of the mean magnitude) up to ``depth`` (the sum's length) 4,096, growing with its square
+    root beyond (a random walk of roundings: measured 1.12x the 4,096 bound at 8,192 on the H200,
+    and 2-3e-3 of the output's norm on the 8B projections, ``benchmarks/results/fp8_accum_h200.json``);
+    the same bound on the whole."""
     expected, got = emulated.float(), actual.float()
     error = (got - expected).abs()
     magnitude = expected.abs() if rounded_part is None else expected.abs() + rounded_part.float().abs()
-    bound = magnitude * 2.0**-7 + expected.abs().mean() * (2.0**-6 if fp8_ops.FAST_ACCUM else 2.0**-8)
+    fast = 2.0**-6 * max(1.0, depth / 4096) ** 0.5
+    bound = magnitude * 2.0**-7 + expected.abs().mean() * (fast if fp8_ops.FAST_ACCUM else 2.0**-8)
     assert (error <= bound).all(), float((error / bound).max())
     assert (error.norm() / expected.norm()).item() < 2.0**-7
 
@@ -60,7 +63,7 @@ def test_scaled_mm_path_matches_the_emulation(tokens, k, n, grad_format, fast_ac
     _close_to_emulation(y, fp8_linear_reference(x.detach(), codes, scale))
     dy = torch.randn(tokens, n, device="cuda", generator=gen).bfloat16()
     y.backward(dy)
-    _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, codes, scale, grad_format))
+    _close_to_emulation(x.grad, fp8_linear_grad_reference(dy, codes, scale, grad_format), depth=n)
 
 
 @pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096)])
