@@ -161,6 +161,23 @@ def test_moe_layer_table_shows_the_fused_permutation_where_measured():
     assert "fused" not in bench_tables.render_moe_layer([plain], ["moe_layer_h100.json"], {})
 
 
+def test_fp8_accum_table_has_each_product_with_both_modes():
+    report = json.loads((RESULTS / "fp8_accum_h200.json").read_text())
+    table = fp8_tables.render_fp8_accum([report], ["fp8_accum_h200.json"], {})
+    assert "NVIDIA H200" in table.splitlines()[0]
+    rows = [line for line in table.splitlines() if " → " in line and not line.startswith("| in")]
+    assert len(rows) == sum(len(shape["products"]) for shape in report["shapes"])
+    first = report["shapes"][0]["products"]["forward"]
+    cells = rows[0].strip("| ").split(" | ")
+    assert cells[1] == "forward" and cells[2] == f"{first['bf16_tflops']:,.0f}"
+    assert cells[3] == f"{first['exact_tflops']:,.0f} ({first['exact_error']:.1e})"
+    assert cells[5] == f"{first['exact_ms'] / first['fast_ms']:.2f}×"
+    partial = {"shapes": [{"in": 8, "out": 16, "tokens": 32, "products": {"forward": {"bf16_tflops": 1.0}}}]}
+    assert "| 8 → 16, 32 | forward | 1 | — | — | — |" in fp8_tables.render_fp8_accum(
+        [partial], ["x.json"], {}
+    )
+
+
 def test_fp8_loss_table_says_which_target_is_met():
     report = json.loads((RESULTS / "fp8_loss_curves_default_h100.json").read_text())
     table = fp8_tables.render_fp8_loss([report], ["fp8_loss_curves_default_h100.json"], {})

@@ -1,5 +1,6 @@
 """FP8 result tables of the benchmark report: one projection's speed and error per base format
-(``benchmarks/fp8_gemm_bench.py``), and the loss of FP8 bases against bf16 over a run, over one seed
+(``benchmarks/fp8_gemm_bench.py``), the bare FP8 products with and without fast accumulation
+(its ``--accum``), and the loss of FP8 bases against bf16 over a run, over one seed
 or several (``benchmarks/fp8_loss_curves.py``). The cells they share with the other tables come
 from :mod:`lightning_sloth.bench.tables`."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from lightning_sloth.bench.tables import DASH, num
 
-__all__ = ["render_fp8_gemm", "render_fp8_loss"]
+__all__ = ["render_fp8_accum", "render_fp8_gemm", "render_fp8_loss"]
 
 
 FP8_GEMM_SYSTEMS = {
@@ -43,6 +44,43 @@ def render_fp8_gemm(reports: list[dict], sources: list[str], params: dict) -> st
     caption = (
         f"Generated from {', '.join(f'`{s}`' for s in sources)}: {report.get('device', '?')}, "
         f"torch {report.get('torch', '?')}; error: relative norm of ``y`` against float64."
+    )
+    return caption + "\n\n" + "\n".join(lines) + "\n"
+
+
+def render_fp8_accum(reports: list[dict], sources: list[str], params: dict) -> str:
+    """The bare row-wise ``torch._scaled_mm`` products (``benchmarks/fp8_gemm_bench.py --accum``): per
+    shape and product, bf16's TFLOP/s, FP8's with ``use_fast_accum`` off and on with the error of
+    each against the float64 product of the same FP8 operands, and fast over exact."""
+    report = reports[-1]
+    header = [
+        "in → out, tokens",
+        "product",
+        "bf16 TFLOP/s",
+        "FP8 TFLOP/s (error)",
+        "FP8 fast accumulation TFLOP/s (error)",
+        "fast / exact",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 2)]
+    for shape in report["shapes"]:
+        for product, r in shape["products"].items():
+            cells = [num(r.get("bf16_tflops"), ",.0f")]
+            for key in ("exact", "fast"):
+                tflops, error = r.get(f"{key}_tflops"), r.get(f"{key}_error")
+                cells.append(DASH if tflops is None else f"{tflops:,.0f} ({error:.1e})")
+            exact, fast = r.get("exact_ms"), r.get("fast_ms")
+            cells.append(f"{exact / fast:.2f}×" if exact and fast else DASH)
+            name = product.replace("_", " ")
+            lines.append(
+                f"| {shape['in']} → {shape['out']}, {shape['tokens']:,} | {name} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    env = report.get("environment", {})
+    device = report.get("device") or env.get("device", "?")
+    caption = (
+        f"Generated from {', '.join(f'`{s}`' for s in sources)}: {device}, torch {report.get('torch', '?')}; "
+        "error: relative norm against the float64 product of the same FP8 operands."
     )
     return caption + "\n\n" + "\n".join(lines) + "\n"
 

@@ -13,7 +13,7 @@ generated, never typed::
 
 ``kind`` picks the renderer: ``suite`` (default: files of the suite and of the argparse harness),
 ``compact`` (end-to-end MoE, QLoRA), ``fsdp``, ``ep_probe``, ``moe_layer``, ``kernels``, ``offload``,
-``fp8_gemm``, ``fp8_loss``,
+``fp8_gemm``, ``fp8_accum``, ``fp8_loss``,
 ``headline`` (several scenarios, one row each, chosen systems as columns, with a plot) and
 ``families`` (the supported-models table from ``lightning_sloth.patching.families`` and the tests
 that name each family; no result files).
@@ -35,7 +35,7 @@ import os
 import re
 from pathlib import Path
 
-from lightning_sloth.bench.fp8_tables import render_fp8_gemm, render_fp8_loss
+from lightning_sloth.bench.fp8_tables import render_fp8_accum, render_fp8_gemm, render_fp8_loss
 from lightning_sloth.bench.headline import plot_headline, render_families, render_headline
 from lightning_sloth.bench.tables import (
     merged_results,
@@ -250,6 +250,7 @@ RENDERERS = {
     "offload": render_offload,
     "long_context": render_long_context,
     "fp8_gemm": render_fp8_gemm,
+    "fp8_accum": render_fp8_accum,
     "fp8_loss": render_fp8_loss,
     "ep_probe": render_ep_probe,
     "headline": render_headline,
