@@ -48,6 +48,10 @@ expert order (the second's forward, the first's input gradient), each token's k 
 through the inverse permutation (``ORDERED_ROWS_GROUPED_MM``); ``gathered``, the two that read rows
 through the permutation, from a gathered copy (``GATHERED_ROWS_GROUPED_MM``); ``both``.
 
+``--weight-loads "pointer;tma;tma_ws"`` is a fifth: how the fused GEMMs load their weight tiles
+(``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads, a TMA descriptor, or a
+descriptor in a warp-specialised K loop.
+
 The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
 configurations N times each, interleaved (every configuration once per round), and pools their steps
 (``round_medians_ms`` lists each round's median)::
@@ -216,6 +220,7 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 
 _DEFAULT_DOWN_RANK_MAX = None
 _DEFAULT_GROUPED_MM = None
+_DEFAULT_WEIGHT_LOADS = None
 
 
 def _set_tiles(
@@ -223,8 +228,9 @@ def _set_tiles(
     wgrad: tuple[int, ...] | None,
     down: int | None = None,
     grouped: str | None = None,
+    loads: str | None = None,
 ) -> None:
-    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM
+    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS
     from lightning_sloth.kernels import moe_fused
 
     from lightning_sloth.moe import indexed
@@ -233,6 +239,8 @@ def _set_tiles(
     if _DEFAULT_DOWN_RANK_MAX is None:
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
         _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
+        _DEFAULT_WEIGHT_LOADS = moe_fused.WEIGHT_LOADS
+    moe_fused.WEIGHT_LOADS = _DEFAULT_WEIGHT_LOADS if loads is None else loads
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
     flags = _DEFAULT_GROUPED_MM if grouped is None else indexed.grouped_mm_choice(grouped)
     indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM = flags
@@ -254,15 +262,28 @@ def _grouped(text: str | None) -> list[str | None]:
     return _knob(text, checked)
 
 
+def _loads(text: str | None) -> list[str | None]:
+    """``"pointer;tma_ws"`` -> ``["pointer", "tma_ws"]``; an unknown name is an error naming the choices."""
+    from lightning_sloth.kernels.moe_fused import WEIGHT_LOAD_CHOICES
+
+    def checked(name: str) -> str:
+        if name not in WEIGHT_LOAD_CHOICES:
+            raise ValueError(f"--weight-loads takes {', '.join(WEIGHT_LOAD_CHOICES)}; got {name!r}")
+        return name
+
+    return _knob(text, checked)
+
+
 def _variants(
     fused_tiles: str | None,
     wgrad_tiles: str | None,
     down_ranks: str | None = None,
     grouped: str | None = None,
+    loads: str | None = None,
 ) -> list[tuple]:
     """The first configuration of each knob, then every other one with the other knobs at their first:
-    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm)``."""
-    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped)]
+    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads)``."""
+    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads)]
     first = tuple(k[0] for k in knobs)
     out = [first]
     for i, values in enumerate(knobs):
@@ -336,7 +357,8 @@ def run_case(
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
     if variants and len(variants) > 1:
         sweep = [
-            {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o} for t, w, d, o in variants
+            {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o, "weight_loads": ld}
+            for t, w, d, o, ld in variants
         ]
         times: list[list[float]] = [[] for _ in variants]
         for _round, index in _interleaved(len(variants), rounds):
@@ -396,6 +418,8 @@ def summary(report: dict) -> str:
                 label += f", down in kernel up to rank {entry['down_rank_max']}"
             if entry.get("grouped_mm") is not None:
                 label += f", torch._grouped_mm for {entry['grouped_mm']}"
+            if entry.get("weight_loads") is not None:
+                label += f", weights through {entry['weight_loads']}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
@@ -435,6 +459,12 @@ def main(argv: list[str] | None = None) -> dict:
         "order), gathered (rows read through the permutation, from a gathered copy), both; several: ';'",
     )
     parser.add_argument(
+        "--weight-loads",
+        default=None,
+        help="how the fused GEMMs load weight tiles: pointer, tma (a TMA descriptor), tma_ws (that, "
+        "warp-specialised); several: ';'",
+    )
+    parser.add_argument(
         "--group-m",
         type=int,
         default=None,
@@ -461,7 +491,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.systems = args.systems or (FUSED_SYSTEMS if args.fused else "eager,grouped_mm,sloth")
     args.out = args.out or _default_out(args.fused)
     try:
-        variants = _variants(args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm)
+        variants = _variants(
+            args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm, args.weight_loads
+        )
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])

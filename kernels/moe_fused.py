@@ -32,9 +32,12 @@ import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
 from lightning_sloth.kernels.moe import _ROW_BLOCK, _dot, _tile_table
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "TILES",
+    "WEIGHT_LOADS",
+    "WEIGHT_LOAD_CHOICES",
     "WGRAD_TILES",
     "OutOfResources",
     "grouped_mm",
@@ -52,6 +55,16 @@ GROUP_M = 8
 
 SHALLOW_K_MAX_IN = 2048
 """Up to this many inputs the built-in tiles are 32 deep in K with 5 stages (64 x 4 above it)."""
+
+WEIGHT_LOAD_CHOICES = ("pointer", "tma", "tma_ws")
+WEIGHT_LOADS = "pointer"
+"""How ``grouped_mm`` loads its weight tiles: ``pointer`` (masked loads), ``tma`` (a TMA tensor
+descriptor over the weight, zero-filled past its edges), ``tma_ws`` (that, in a warp-specialised K
+loop, the producer warps loading while the consumers multiply; not with the one-pass rank-r side).
+The GEMM alone gained up to 19-27% with them on the H200 on ``[E, N, K]`` weights and lost on others
+(``benchmarks/results/moe_gemm_variants_ws_h200.json``); off until the block measures them
+(``benchmarks/moe_bench.py --weight-loads``). A weight a descriptor cannot address (no unit-stride
+dimension, strides or base not 16-byte aligned) keeps the pointer loads."""
 
 WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 """``(BA, BB, BR, num_warps, num_stages)`` of the weight-gradient kernel for 16-bit CUDA operands
@@ -91,7 +104,7 @@ def _tiles(
 
 @triton.jit
 def _indexed_grouped_mm_kernel(
-    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, DOWN, R_OUT,
+    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, DOWN, R_OUT, WD,
     n_out, n_in, n_in2, div, lora_scale, max_tiles,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n, stride_de, stride_dk, stride_dr,
@@ -99,7 +112,8 @@ def _indexed_grouped_mm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOAD_SLOTS: tl.constexpr, A_INDEXED: tl.constexpr,
     SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     HAS_X2: tl.constexpr, BK2: tl.constexpr, DOWN_IN_KERNEL: tl.constexpr, KEEP_SCALED: tl.constexpr,
-    EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, W_DESC: tl.constexpr, W_DESC_KN: tl.constexpr,
+    WS: tl.constexpr,
 ):  # fmt: skip
     # Programs walk groups of GROUP_M M tiles, M fastest inside a group: the CTAs running together share
     # a few M tiles' (gathered) rows and a band of one expert's weight columns in L2.
@@ -128,7 +142,7 @@ def _indexed_grouped_mm_kernel(
             rs = tl.arange(0, BK2)
             r_mask = rs < n_in2
             acc_r = tl.zeros((BM, BK2), dtype=tl.float32)
-        for k0 in range(0, n_in, BK):
+        for k0 in tl.range(0, n_in, BK, warp_specialize=WS):
             ks = k0 + tl.arange(0, BK)
             if EVEN_K:  # K a multiple of BK: no mask over K (the H200's loads run ~10% faster)
                 x_mask = row_mask[:, None]
@@ -138,11 +152,17 @@ def _indexed_grouped_mm_kernel(
                 x_mask = row_mask[:, None] & k_mask[None, :]
                 w_mask = k_mask[:, None] & col_mask[None, :]
             x = tl.load(X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
-            w = tl.load(
-                W + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                mask=w_mask,
-                other=0.0,
-            )
+            if W_DESC:  # the tile through the descriptor: zeros past K and N, no mask
+                if W_DESC_KN:
+                    w = WD.load([expert.to(tl.int32), k0, pid_n * BN]).reshape(BK, BN)
+                else:
+                    w = tl.trans(WD.load([expert.to(tl.int32), pid_n * BN, k0]).reshape(BN, BK))
+            else:
+                w = tl.load(
+                    W + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                    mask=w_mask,
+                    other=0.0,
+                )
             acc = _dot(x, w, acc)
             if DOWN_IN_KERNEL:
                 d = tl.load(
@@ -290,21 +310,47 @@ def grouped_mm(
     max_tiles = triton.cdiv(n_rows, bm) + experts
     tile_expert, tile_row = _tile_table(ends, bm, max_tiles)
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
+    descriptor = _weight_descriptor(w, w_is_kn, bk, bn) if WEIGHT_LOADS != "pointer" else None
     grid = (max_tiles * triton.cdiv(n_out, bn),)
     launchable(_indexed_grouped_mm_kernel)[grid](
         x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
         a_idx if a_idx is not None else ends, scale if scale is not None else out,
         out_idx if out_idx is not None else ends, x2 if x2 is not None else x, w2 if w2 is not None else w,
         down if down is not None else w, r_out if r_out is not None else out,
+        descriptor[0] if descriptor is not None else w,
         n_out, n_in, n_in2, div, float(lora_scale), max_tiles,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, *x2_strides, *down_strides,
         BM=bm, BN=bn, BK=bk, LOAD_SLOTS=a_idx is not None or scale is not None, A_INDEXED=a_idx is not None, SCALED=scale is not None,
         OUT_INDEXED=out_idx is not None, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
         HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2, DOWN_IN_KERNEL=down is not None, KEEP_SCALED=keep_scaled,
-        EVEN_K=n_in % bk == 0, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages,
+        EVEN_K=n_in % bk == 0, GROUP_M=GROUP_M, W_DESC=descriptor is not None,
+        W_DESC_KN=descriptor is not None and descriptor[1],
+        WS=descriptor is not None and WEIGHT_LOADS == "tma_ws" and down is None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+def _weight_descriptor(
+    w: torch.Tensor, w_is_kn: bool, bk: int, bn: int
+) -> tuple[TensorDescriptor, bool] | None:
+    """A TMA descriptor over ``w`` in its memory order (the dimension of unit stride last) with
+    ``[1, BK, BN]`` or ``[1, BN, BK]`` blocks, and whether that order is ``[E, K, N]``; None where a
+    descriptor cannot address ``w`` (the kernel then loads through pointers)."""
+    if WEIGHT_LOADS not in WEIGHT_LOAD_CHOICES:
+        raise ValueError(f"moe_fused.WEIGHT_LOADS must be one of {WEIGHT_LOAD_CHOICES}, got {WEIGHT_LOADS!r}")
+    kn = w if w_is_kn else w.transpose(1, 2)  # [E, K, N] whatever the layout
+    if kn.stride(2) == 1:
+        storage, in_kn, block = kn, True, [1, bk, bn]
+    elif kn.stride(1) == 1:
+        storage, in_kn, block = kn.transpose(1, 2), False, [1, bn, bk]
+    else:
+        return None
+    size = storage.element_size()
+    if storage.data_ptr() % 16 or any(stride * size % 16 for stride in storage.stride()[:2]):
+        return None
+    return TensorDescriptor.from_tensor(storage, block), in_kn
 
 
 @triton.jit

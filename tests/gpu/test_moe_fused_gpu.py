@@ -2,7 +2,8 @@
 with a float64 reference (Hopper-sized tiles, odd sizes, idle experts, top_k 1/2/8), the bits of two runs,
 the experts of Qwen3-MoE and GPT-OSS with LoRA (dense and NF4) against the current path, opcheck on
 the ``triton_op`` path, and no host sync in a training step; each also with every expert GEMM through
-``torch._grouped_mm`` (``ORDERED_ROWS_GROUPED_MM``, ``GATHERED_ROWS_GROUPED_MM``).
+``torch._grouped_mm`` (``ORDERED_ROWS_GROUPED_MM``, ``GATHERED_ROWS_GROUPED_MM``), and with the Triton
+GEMMs' weight tiles through TMA descriptors, with and without warp specialisation (``WEIGHT_LOADS``).
 
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_moe_fused_gpu.py`` (under a minute).
 """
@@ -34,15 +35,24 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.fixture(params=[False, True], ids=["triton-gemms", "grouped-mm-gemms"])
+@pytest.fixture(
+    params=[(False, "pointer"), (True, "pointer"), (False, "tma"), (False, "tma_ws")],
+    ids=["triton-gemms", "grouped-mm-gemms", "triton-gemms-tma", "triton-gemms-tma-ws"],
+)
 def ordered(request, monkeypatch):
-    """Both ways of the expert GEMMs: the Triton kernels reading and writing through the permutation,
-    and torch._grouped_mm for all four (bf16 on Hopper): the rows in expert order summed through the
-    inverse permutation (ORDERED_ROWS_GROUPED_MM), the gathered copies (GATHERED_ROWS_GROUPED_MM)."""
+    """The ways of the expert GEMMs: the Triton kernels reading and writing through the permutation
+    (their weight tiles through pointers, a TMA descriptor, or a descriptor in a warp-specialised K
+    loop: ``kernels.moe_fused.WEIGHT_LOADS``), and torch._grouped_mm for all four (bf16 on Hopper):
+    the rows in expert order summed through the inverse permutation (ORDERED_ROWS_GROUPED_MM), the
+    gathered copies (GATHERED_ROWS_GROUPED_MM)."""
+    from lightning_sloth.kernels import moe_fused as kernels
+
     from lightning_sloth.moe import indexed
 
-    monkeypatch.setattr(indexed, "ORDERED_ROWS_GROUPED_MM", request.param)
-    monkeypatch.setattr(indexed, "GATHERED_ROWS_GROUPED_MM", request.param)
+    grouped, loads = request.param
+    monkeypatch.setattr(indexed, "ORDERED_ROWS_GROUPED_MM", grouped)
+    monkeypatch.setattr(indexed, "GATHERED_ROWS_GROUPED_MM", grouped)
+    monkeypatch.setattr(kernels, "WEIGHT_LOADS", loads)
     return request.param
 
 
