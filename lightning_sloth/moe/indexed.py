@@ -277,8 +277,8 @@ ORDERED_ROWS_GROUPED_MM = _FROM_ENV[0]
 forward, the first GEMM's input gradient) run ``torch._grouped_mm`` (CUTLASS, Hopper bfloat16) in expert
 order, each token's k rows then summed through the inverse permutation, instead of the Triton kernel
 writing slot order. Only the rows' write order changes: the gathered copies stay avoided (those two
-GEMMs read their rows in place either way). Off until measured
-(``benchmarks/moe_bench.py --grouped-mm``)."""
+GEMMs read their rows in place either way). Off: three interleaved rounds on the H200 block gained
+nothing (``benchmarks/results/moe_fused_grouped_mm_rounds_h200.json``; ``moe_bench.py --grouped-mm``)."""
 
 
 def _grouped_mm_takes(x: Tensor, shape) -> bool:
@@ -325,8 +325,9 @@ GATHERED_ROWS_GROUPED_MM = _FROM_ENV[1]
 """Whether the fused path's two GEMMs that read their rows through the permutation (the first GEMM's
 forward, the second GEMM's input gradient) make the gathered copy and run ``torch._grouped_mm`` on it,
 as the separate path does, while the sums, the combine and the weight gradients stay fused. With
-:data:`ORDERED_ROWS_GROUPED_MM` every expert GEMM is CUTLASS's. Off until measured
-(``benchmarks/moe_bench.py --grouped-mm``)."""
+:data:`ORDERED_ROWS_GROUPED_MM` every expert GEMM is CUTLASS's. Off, as measured with it
+(``moe_fused_grouped_mm_rounds_h200.json``: the gathered copies and separate rank-r passes cost what
+CUTLASS gains)."""
 
 
 def gathered_grouped_mm(x: Tensor, shape, rank: int) -> bool:

@@ -96,12 +96,9 @@ def scaled_mm(
 ) -> Tensor:
     """``torch._scaled_mm`` with row-wise scales and the process's :data:`FAST_ACCUM`, into ``out``
     where given."""
-    if out is not None:
-        return torch._scaled_mm(
-            a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=FAST_ACCUM, out=out
-        )
+    into = {} if out is None else {"out": out}
     return torch._scaled_mm(
-        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=FAST_ACCUM
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=FAST_ACCUM, **into
     )
 
 
