@@ -586,8 +586,8 @@ def _check_sloth(sloth: DictConfig, errors: list[str]) -> None:
             f"sloth.mlp_chunk_tokens: must be a positive number of tokens, 'auto' or null, got {chunk!r}"
         )
     moe = sloth.get("moe", True)
-    if not (isinstance(moe, bool) or moe == "fused"):
-        errors.append(f"sloth.moe: must be true, false or fused, got {moe!r}")
+    if not (isinstance(moe, bool) or moe in ("fused", "separate")):
+        errors.append(f"sloth.moe: must be true, false, fused or separate, got {moe!r}")
     if sloth.get("checkpoint_impl") not in (None, "torch", "node"):
         errors.append(
             f"sloth.checkpoint_impl: must be 'torch', 'node' or null, got {sloth.checkpoint_impl!r}"

@@ -74,9 +74,11 @@ def transform_model(
         compile: ``torch.compile`` each decoder layer (``True`` or compile kwargs).
         moe: MoE models (the families of ``lightning_sloth.moe.layouts.LAYOUTS``) run their experts through
             ``lightning_sloth.moe`` (grouped GEMMs, LoRA on experts without delta weights);
-            ``False`` keeps transformers' experts implementation; ``"fused"`` also reads and writes
+            ``False`` keeps transformers' experts implementation; ``"fused"`` reads and writes
             the token rows through the routing permutation inside the grouped GEMMs
-            (:mod:`lightning_sloth.moe.fused`). Dense models ignore it.
+            (:mod:`lightning_sloth.moe.fused`), ``"separate"`` gathers and combines them in passes
+            of their own; ``True`` leaves that to the process-wide switch (by default fused where
+            the rows are on CUDA). Dense models ignore it.
         checkpoint_impl: ``"node"`` (the default: each checkpointed layer one autograd node,
             less host time per layer; see ``lightning_sloth.offload.checkpoint``) or ``"torch"``
             (torch's non-reentrant checkpoint per layer).

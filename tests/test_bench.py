@@ -227,13 +227,14 @@ def test_every_system_and_unsloth_train_the_same_lora_targets(monkeypatch, tmp_p
 
 def test_the_fused_moe_systems_switch_the_permutation_on_in_their_process(monkeypatch):
     """``sloth_kernels_fused`` builds the MoE model with the fused-permutation ops switched on (its
-    own process keeps the setting); the step then dispatches the fused grouped GEMMs."""
+    own process keeps the setting); the step then dispatches the fused grouped GEMMs;
+    ``sloth_kernels_separate`` the separate gather and combine passes."""
     from test_quant_training import _OpNames
 
     from lightning_sloth.bench.systems import SUITE_SYSTEMS
-    from lightning_sloth.moe import fused
+    from lightning_sloth.moe import fused, switch
 
-    monkeypatch.setattr(fused, "_ENABLED", [False])
+    monkeypatch.setattr(switch, "_ENABLED", [False])
     assert (
         SUITE_SYSTEMS["sloth_kernels_planned_fused"].preamble
         == SUITE_SYSTEMS["sloth_kernels_planned"].preamble
@@ -248,3 +249,10 @@ def test_the_fused_moe_systems_switch_the_permutation_on_in_their_process(monkey
         model(**micro[0]).loss.backward()
     assert "sloth.moe_gather_lora_grouped_mm.default" in names
     assert "sloth.moe_gather_lora_grouped_mm_backward.default" in names
+    separate = SUITE_SYSTEMS["sloth_kernels_separate"]  # the separate passes, whatever the default
+    model = separate.setup(workload)
+    assert not fused.fused_permutation_enabled(None, "cuda")
+    with _OpNames() as names:
+        model(**micro[0]).loss.backward()
+    assert "sloth.moe_gather_lora_grouped_mm.default" not in names
+    assert any(name.startswith("sloth.moe_gather") for name in names)

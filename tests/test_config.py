@@ -311,7 +311,9 @@ def test_sloth_settings_are_the_strategy_arguments(hydra_conf):
     assert build.sloth_settings(make("sloth.cuda_graphs=true").sloth)["cuda_graphs"] is True
     assert build.sloth_settings(make("sloth.moe=fused").sloth)["moe"] == "fused"
     validate(make("sloth.moe=fused"))
-    with pytest.raises(ValueError, match="sloth.moe: must be true, false or fused, got 'yes'"):
+    assert build.sloth_settings(make("sloth.moe=separate").sloth)["moe"] == "separate"
+    validate(make("sloth.moe=separate"))
+    with pytest.raises(ValueError, match="sloth.moe: must be true, false, fused or separate, got 'yes'"):
         validate(make("sloth.moe=yes"))
     assert build.sloth_settings(make("sloth.mlp_chunk_tokens=8192").sloth)["mlp_chunk_tokens"] == 8192
     assert build.sloth_settings(make("sloth.mlp_chunk_tokens=null").sloth)["mlp_chunk_tokens"] is None

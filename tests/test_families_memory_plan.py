@@ -32,9 +32,9 @@ def _step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 )
 def test_kept_and_recomputed_layers_give_the_same_gradients(family, fused, monkeypatch):
     """``fused``: the MoE layers with the token permutation fused into the grouped GEMMs."""
-    from lightning_sloth.moe import fused as moe_fused
+    from lightning_sloth.moe import switch
 
-    monkeypatch.setattr(moe_fused, "_ENABLED", [fused])
+    monkeypatch.setattr(switch, "_ENABLED", [fused])
     moe = family in ("deepseek_v3", "qwen2_moe")
     model = add_lora(tiny_moe(family) if moe else tiny_dense(family, attn="sdpa"), r=4)
     transform_model(model, kernels=True)

@@ -21,8 +21,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_sloth.moe import fused as fused_module
 from lightning_sloth.moe import register
+from lightning_sloth.moe import switch as fused_switch_module
 from lightning_sloth.moe.routing import ROUTERS
 from lightning_sloth.patching import apply_experts
 from lightning_sloth.transform import transform_model
@@ -143,7 +143,7 @@ def test_lora_on_experts_equals_peft(family, fused, monkeypatch):
     factors inside the grouped GEMMs: loss and every LoRA gradient, and no delta weight folded in; with
     the separate gather/combine passes and with the permutation fused into the GEMMs."""
     register()
-    monkeypatch.setattr(fused_module, "_ENABLED", [fused])
+    monkeypatch.setattr(fused_switch_module, "_ENABLED", [fused])
     config = LoraConfig(
         r=4, lora_alpha=8, target_modules=["o_proj"], target_parameters=EXPERT_LORA, init_lora_weights=False
     )

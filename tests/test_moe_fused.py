@@ -30,7 +30,7 @@ torch.set_num_threads(2)
 @pytest.fixture
 def fused_switch():
     """Restore the switch after a test that flips it."""
-    before = fused.fused_permutation_enabled()
+    before = fused.fused_permutation_setting()
     yield set_fused_permutation
     set_fused_permutation(before)
 
@@ -320,17 +320,39 @@ def test_block_with_the_switch_on_compiles_fullgraph_with_the_same_result(fused_
         torch.testing.assert_close(got, want)
 
 
-def test_switch_is_off_by_default_and_one_flag(fused_switch):
-    assert fused.fused_permutation_enabled() is False
+def test_switch_is_auto_by_default_fused_on_cuda_and_one_flag(fused_switch, monkeypatch):
+    """Unset, the switch is "auto": the fused ops where the rows are on a CUDA device, the separate
+    passes elsewhere; True and False force either; the environment variable takes 1, 0 or auto and
+    names a bad value."""
+    from lightning_sloth.moe import switch
+
+    monkeypatch.delenv("LIGHTNING_SLOTH_MOE_FUSED", raising=False)
+    assert switch._from_environment() is None
+    fused_switch(None)
+    assert fused.fused_permutation_setting() is None
+    assert fused.fused_permutation_enabled(None, torch.device("cuda", 0)) is True
+    assert fused.fused_permutation_enabled(None, "cpu") is False
+    assert fused.fused_permutation_enabled() is torch.cuda.is_available()
     fused_switch(True)
-    assert fused.fused_permutation_enabled() is True
+    assert fused.fused_permutation_enabled(None, "cpu") is True
+    fused_switch(False)
+    assert fused.fused_permutation_enabled(None, "cuda") is False
+    with pytest.raises(ValueError, match="True, False or None"):
+        fused_switch("yes")
+    for value, want in [("1", True), ("0", False), ("auto", None), ("off", False), ("", None)]:
+        monkeypatch.setenv("LIGHTNING_SLOTH_MOE_FUSED", value)
+        assert switch._from_environment() is want, value
+    monkeypatch.setenv("LIGHTNING_SLOTH_MOE_FUSED", "fast")
+    with pytest.raises(ValueError, match="LIGHTNING_SLOTH_MOE_FUSED must be 1, 0 or auto, got 'fast'"):
+        switch._from_environment()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the reference path is enough")
 def test_moe_fused_is_a_per_model_choice_through_transform_model(fused_switch, monkeypatch):
     """transform_model(moe="fused") (SlothStrategy(moe="fused"), sloth.moe=fused) turns the fused path
     on for that model's experts with the process-wide switch off, with the same loss and gradients;
-    another model keeps the switch's choice; moe=True gives the choice back; a bad value is named."""
+    another model keeps the switch's choice; moe=True gives the choice back; moe="separate" keeps
+    the separate passes with the switch on; a bad value is named."""
     from lightning_sloth.moe import experts as moe_experts
     from lightning_sloth.transform import transform_model
 
@@ -363,7 +385,15 @@ def test_moe_fused_is_a_per_model_choice_through_transform_model(fused_switch, m
     assert not transform_model(model, moe=True, **plain).experts.fused
     run(model)
     assert not calls
-    with pytest.raises(ValueError, match="moe must be true, false or 'fused', got 'yes'"):
+    fused_switch(True)  # moe="separate": this model keeps the separate passes with the switch on
+    report = transform_model(model, moe="separate", **plain)
+    assert not report.experts.fused
+    loss, grads = run(model)
+    assert not calls
+    assert abs(float(loss - loss_ref)) <= 1e-5 * abs(float(loss_ref))
+    run(other)
+    assert calls  # another model follows the switch
+    with pytest.raises(ValueError, match="moe must be true, false, 'fused' or 'separate', got 'yes'"):
         transform_model(model, moe="yes", **plain)
 
 

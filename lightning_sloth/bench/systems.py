@@ -24,8 +24,10 @@ Loop systems (all with LoRA r=16 on the 7 projections and gradient checkpointing
                            the plan with the gated RMSNorm op of Gated DeltaNet layers off
                            (``kernels={"rms_norm_gated": False}``; its ablation).
     sloth_kernels_fused    MoE experts with the token permutation fused into the grouped GEMMs
-                           (``moe.fused.set_fused_permutation(True)`` in the system's process);
-                           ``sloth_kernels_planned_fused``: with the plan.
+                           (``moe.fused.set_fused_permutation(True)`` in the system's process; the
+                           default on CUDA); ``sloth_kernels_planned_fused``: with the plan.
+                           ``sloth_kernels_separate`` / ``sloth_kernels_planned_separate``: the
+                           separate gather and combine passes (``set_fused_permutation(False)``).
     sloth_kernels_no_checkpointing
                            kernels without gradient checkpointing (every activation kept).
     sloth_kernels_graphs   + CUDA graphs of each layer's forward and recompute + backward
@@ -212,13 +214,13 @@ def _separate_b_products(setup: Callable) -> Callable:
     return wrapped
 
 
-def _fused_permutation(setup: Callable) -> Callable:
+def _fused_permutation(setup: Callable, enabled: bool = True) -> Callable:
     """``setup`` in a process whose MoE experts read and write their token rows through the sort
-    permutation (the fused grouped GEMMs) instead of gathering them (each system runs in its own
-    process, so the module setting stays in it)."""
+    permutation (the fused grouped GEMMs; ``enabled=False``: the separate gather and combine passes)
+    whatever the default (each system runs in its own process, so the module setting stays in it)."""
 
     def wrapped(workload: Workload):
-        set_fused_permutation(True)
+        set_fused_permutation(enabled)
         return setup(workload)
 
     return wrapped
@@ -349,6 +351,17 @@ SUITE_SYSTEMS: dict[str, SuiteSystem] = {
     "sloth_kernels_planned_fused": SuiteSystem(
         "lightning_sloth + memory plan for the whole card, MoE permutation fused into the grouped GEMMs",
         _fused_permutation(sloth_setup(kernels=True, offload="auto", memory_budget="auto")),
+        packed_batches,
+        preamble=EXPANDABLE_SEGMENTS,
+    ),
+    "sloth_kernels_separate": SuiteSystem(
+        "lightning_sloth: transform_model(kernels=True), MoE permutation in separate gather/combine passes",
+        _fused_permutation(sloth_setup(kernels=True), enabled=False),
+        packed_batches,
+    ),
+    "sloth_kernels_planned_separate": SuiteSystem(
+        "lightning_sloth + memory plan for the whole card, MoE permutation in separate gather/combine passes",
+        _fused_permutation(sloth_setup(kernels=True, offload="auto", memory_budget="auto"), enabled=False),
         packed_batches,
         preamble=EXPANDABLE_SEGMENTS,
     ),

@@ -206,7 +206,7 @@ def experts_forward(
     # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
     activation = getattr(getattr(experts, "config", None), "hidden_act", None)
     weight_first = not (layout.bias or layout.clamped or layout.scaled_input) and activation in _SILU
-    if fused_permutation_enabled(experts) and not layout.scaled_input:
+    if fused_permutation_enabled(experts, hidden_states.device) and not layout.scaled_input:
         # The gather and the combine run inside the GEMMs (lightning_sloth.moe.fused).
         h = _fused_project(
             hidden_states.to(dtype),

@@ -25,15 +25,16 @@ the plain-torch reference here (gather, per-expert loop, weighted sum). Nothing 
 the host.
 
 The experts path uses these ops when :func:`fused_permutation_enabled`: an experts module's own
-choice (``transform_model(moe="fused")``, ``SlothStrategy(moe="fused")``, ``sloth.moe=fused``), else
-the process-wide switch (:func:`set_fused_permutation`, or ``LIGHTNING_SLOTH_MOE_FUSED=1`` in the
-environment); off by default.
+choice (``transform_model(moe="fused")`` or ``moe="separate"``, likewise ``SlothStrategy(moe=...)``
+and ``sloth.moe=...``), else the process-wide switch (:func:`set_fused_permutation`, or
+``LIGHTNING_SLOTH_MOE_FUSED`` = ``1`` / ``0`` / ``auto`` in the environment). The default, ``auto``,
+fuses where the rows are on a CUDA device (the Triton kernels) and keeps the separate passes
+elsewhere: on the H200 the fused path runs the 8-layer Qwen3-30B-A3B shape 9% faster in 3.6 GiB less.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -48,33 +49,22 @@ from lightning_sloth.moe.indexed import indexed_lora_grouped_mm as _lora_gemm
 from lightning_sloth.moe.indexed import indexed_weight_grad as _wgrad
 from lightning_sloth.moe.indexed import slot_dot as _slot_dot
 from lightning_sloth.moe.indexed import slot_sum as _slot_sum
+from lightning_sloth.moe.switch import (
+    FUSED_ATTR,
+    fused_permutation_enabled,
+    fused_permutation_setting,
+    set_fused_permutation,
+)
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
 __all__ = [
     "FUSED_ATTR",
     "fused_permutation_enabled",
+    "fused_permutation_setting",
     "gather_lora_grouped_mm",
     "lora_grouped_mm_combine",
     "set_fused_permutation",
 ]
-
-_ENABLED = [os.environ.get("LIGHTNING_SLOTH_MOE_FUSED", "0") not in ("", "0")]
-
-
-def set_fused_permutation(enabled: bool) -> None:
-    """Switch the experts path to the fused-permutation ops (True) or the separate passes (False)."""
-    _ENABLED[0] = bool(enabled)
-
-
-FUSED_ATTR = "_sloth_fused_permutation"
-"""An experts module's own choice (True/False), set by ``apply_experts(..., enabled="fused")``."""
-
-
-def fused_permutation_enabled(experts: object | None = None) -> bool:
-    """Whether the "sloth" experts (``experts``, else any) run the fused-permutation ops: the module's
-    own choice where one is set, else the process-wide switch."""
-    own = getattr(experts, FUSED_ATTR, None) if experts is not None else None
-    return _ENABLED[0] if own is None else bool(own)
 
 
 # ------------------------------------------------------------------ first GEMM: gather fused

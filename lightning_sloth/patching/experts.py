@@ -26,10 +26,10 @@ from lightning_sloth.moe import (
     register,
     uninstall_lora_experts,
 )
-from lightning_sloth.moe.fused import FUSED_ATTR
 from lightning_sloth.moe.layouts import experts_model_type
 from lightning_sloth.moe.peft import experts_and_lora
 from lightning_sloth.moe.routing import ROUTERS, router_logits
+from lightning_sloth.moe.switch import FUSED_ATTR
 from lightning_sloth.patching import _forwards
 from lightning_sloth.patching.families import FAMILIES, Family
 
@@ -56,7 +56,9 @@ class ExpertsReport:
         lora: qualified names of the PEFT wrappers whose LoRA runs inside the grouped GEMMs.
         routers: qualified names of the routers computing their logits in float32.
         blocks: qualified names of the MoE blocks whose forward routes and calls the experts itself.
-        fused: the token permutation runs inside the grouped GEMMs for this model (``"fused"``).
+        fused: the token permutation runs inside the grouped GEMMs for this model (``"fused"``);
+            False with ``"separate"`` or True (then the process-wide switch decides: by default,
+            fused on CUDA).
     """
 
     model_type: str | None
@@ -105,7 +107,9 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         model: a transformers ``PreTrainedModel``, a PEFT model around one, or a module holding one.
         enabled: select (True) or deselect (False) the "sloth" experts; ``"fused"`` selects them
             with the token permutation inside the grouped GEMMs for this model's experts
-            (:mod:`lightning_sloth.moe.fused`; True leaves it to the process-wide switch).
+            (:mod:`lightning_sloth.moe.fused`), ``"separate"`` with separate gather and combine
+            passes; True leaves it to the process-wide switch (:mod:`lightning_sloth.moe.switch`:
+            by default fused where the rows are on CUDA).
 
     Returns:
         The :class:`ExpertsReport` (also logged at INFO).
@@ -114,10 +118,10 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         NotImplementedError: the model has MoE experts of a family the table does not support
             (names the family and the supported list).
         ValueError: ``num_experts_per_tok`` exceeds the number of experts, or ``enabled`` is none of
-            True, False and ``"fused"``.
+            True, False, ``"fused"`` and ``"separate"``.
     """
-    if not (isinstance(enabled, bool) or enabled == "fused"):
-        raise ValueError(f"moe must be true, false or 'fused', got {enabled!r}")
+    if not (isinstance(enabled, bool) or enabled in ("fused", "separate")):
+        raise ValueError(f"moe must be true, false, 'fused' or 'separate', got {enabled!r}")
     base = base_model(model)
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -127,8 +131,8 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         return report
     report.experts = [name for name, _ in experts]
     for _, module in experts:  # the model's own choice of the permutation path, or none
-        if enabled == "fused":
-            setattr(module, FUSED_ATTR, True)
+        if enabled in ("fused", "separate"):
+            setattr(module, FUSED_ATTR, enabled == "fused")
         elif hasattr(module, FUSED_ATTR):
             delattr(module, FUSED_ATTR)
     report.fused = enabled == "fused"

@@ -135,7 +135,8 @@ class SlothStrategy(_SlothSetup, SingleDeviceStrategy):
         memory_budget: device bytes (or ``"auto"``) for the per-layer keep/recompute/offload plan.
         compile: regional ``torch.compile`` of each decoder layer (``True`` or compile kwargs).
         moe: grouped "sloth" experts for MoE models (``False`` keeps transformers' own;
-            ``"fused"``: with the token permutation inside the grouped GEMMs).
+            ``"fused"`` / ``"separate"``: the token permutation inside the grouped GEMMs or in
+            separate passes; ``True``: the process-wide switch, by default fused on CUDA).
         checkpoint_impl: ``"node"`` (each checkpointed layer one autograd node; the default) or
             ``"torch"``.
         cuda_graphs: replay each checkpointed layer's passes as CUDA graphs (static shapes, no

@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_sloth.attention import set_packed_attention_backend
-from lightning_sloth.moe.fused import fused_permutation_enabled, set_fused_permutation
+from lightning_sloth.moe.fused import fused_permutation_setting, set_fused_permutation
 from lightning_sloth.moe.routing import ROUTERS
 from lightning_sloth.patching import apply_experts
 from lightning_sloth.transform import transform_model
@@ -151,7 +151,7 @@ def _peft_block_pair(family):
 def permutation(request):
     """Both experts paths: the separate gather/combine passes and the permutation fused into the GEMMs
     (``lightning_sloth.moe.fused``; Llama 4 keeps the separate passes either way)."""
-    before = fused_permutation_enabled()
+    before = fused_permutation_setting()
     set_fused_permutation(request.param)
     yield request.param
     set_fused_permutation(before)

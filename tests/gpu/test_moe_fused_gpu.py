@@ -17,7 +17,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from lightning_sloth.moe import group_by_expert, install_lora_experts, moe_combine, moe_gather, register
 from lightning_sloth.moe.fused import (
-    fused_permutation_enabled,
+    fused_permutation_setting,
     gather_lora_grouped_mm,
     lora_grouped_mm_combine,
     set_fused_permutation,
@@ -58,7 +58,7 @@ def ordered(request, monkeypatch):
 
 @pytest.fixture
 def switch():
-    before = fused_permutation_enabled()
+    before = fused_permutation_setting()
     yield set_fused_permutation
     set_fused_permutation(before)
 
@@ -222,3 +222,38 @@ def test_no_host_sync_in_a_training_step(switch, ordered):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_the_default_is_the_fused_path_on_cuda_and_a_model_can_keep_the_separate_passes(switch):
+    """With the switch unset ("auto") a CUDA block dispatches the fused ops, forward and backward;
+    the model's own ``moe="separate"`` keeps the separate gather and combine passes; both give the
+    same output and gradients (bf16)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_sloth.moe.fused import FUSED_ATTR
+
+    class OpNames(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    switch(None)
+    block = _block("qwen3_moe")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1, 600, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
+    grad = torch.randn(1, 600, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
+    runs = {}
+    for choice in (None, False):  # None: the default; False: what moe="separate" sets on the experts
+        experts = block.experts.get_base_layer()
+        if choice is None and hasattr(experts, FUSED_ATTR):
+            delattr(experts, FUSED_ATTR)
+        elif choice is not None:
+            setattr(experts, FUSED_ATTR, choice)
+        mode = OpNames()
+        mode.names = []
+        with mode:
+            runs[choice] = _step(block, x, grad)[0]
+        fused_ops = [n for n in mode.names if "moe_gather_lora_grouped_mm" in n]
+        assert bool(fused_ops) == (choice is None), (choice, sorted(set(mode.names))[:20])
+    for got, want in zip(runs[None], runs[False], strict=True):
+        assert _rel(got, want) < 1e-2
