@@ -9,7 +9,9 @@ Rooms:
 - :mod:`.experts`: the "sloth" experts forward for transformers' ``ExpertsInterface``;
 - :mod:`.peft`: PEFT ``target_parameters`` LoRA on the experts without delta weights;
 - :mod:`.fused`: the fused permutation (the first GEMM reads token rows through the sort, the second
-  writes through it into the combine), behind :func:`~.fused.set_fused_permutation`;
+  writes through it into the combine);
+- :mod:`.switch`: when the experts use it (the model's ``moe="fused"`` / ``"separate"``, else
+  :func:`~.switch.set_fused_permutation`; by default where the rows are on CUDA);
 - :mod:`.indexed`: the indexed grouped GEMMs under :mod:`.fused`, Triton and plain torch;
 - :mod:`.quant`: 4-bit expert weights (``SlothPrecision(quantize=...)``) and the grouped GEMM
   that dequantises them into a reusable buffer, forward and backward.
