@@ -104,7 +104,7 @@ def transform_model(
             report.applied.append(f"token-chunked MLPs ({mlp_chunk_tokens})")
     report.experts = apply_experts(hf_model, enabled=moe)
     if moe and report.experts.experts:
-        report.applied.append("moe experts" + (", permutation fused" if report.experts.fused else ""))
+        report.applied.append(f"moe experts, permutation {report.experts.permutation}")
     if packed_attention:
         enable_packed_attention(hf_model)
         report.applied.append("packed attention")

@@ -387,7 +387,7 @@ def test_moe_fused_is_a_per_model_choice_through_transform_model(fused_switch, m
     assert not calls
     fused_switch(True)  # moe="separate": this model keeps the separate passes with the switch on
     report = transform_model(model, moe="separate", **plain)
-    assert not report.experts.fused
+    assert not report.experts.fused and "moe experts, permutation separate" in report.applied
     loss, grads = run(model)
     assert not calls
     assert abs(float(loss - loss_ref)) <= 1e-5 * abs(float(loss_ref))

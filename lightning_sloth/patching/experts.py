@@ -29,7 +29,7 @@ from lightning_sloth.moe import (
 from lightning_sloth.moe.layouts import experts_model_type
 from lightning_sloth.moe.peft import experts_and_lora
 from lightning_sloth.moe.routing import ROUTERS, router_logits
-from lightning_sloth.moe.switch import FUSED_ATTR
+from lightning_sloth.moe.switch import FUSED_ATTR, fused_permutation_setting
 from lightning_sloth.patching import _forwards
 from lightning_sloth.patching.families import FAMILIES, Family
 
@@ -59,6 +59,8 @@ class ExpertsReport:
         fused: the token permutation runs inside the grouped GEMMs for this model (``"fused"``);
             False with ``"separate"`` or True (then the process-wide switch decides: by default,
             fused on CUDA).
+        permutation: where the token permutation runs for this model: ``"fused"``, ``"separate"``
+            or ``"fused on CUDA"`` (the process-wide switch's default).
     """
 
     model_type: str | None
@@ -68,6 +70,7 @@ class ExpertsReport:
     routers: list[str] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
     fused: bool = False
+    permutation: str = "fused on CUDA"
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -136,6 +139,8 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         elif hasattr(module, FUSED_ATTR):
             delattr(module, FUSED_ATTR)
     report.fused = enabled == "fused"
+    setting = enabled if enabled in ("fused", "separate") else fused_permutation_setting()
+    report.permutation = {None: "fused on CUDA", True: "fused", False: "separate"}.get(setting, setting)
     uninstall_lora_experts(base)
     for module in base.modules():
         if _forwards.patched_op(module) in _MOE_OPS:
@@ -172,11 +177,11 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         getattr(report, kind).append(name)
     report.implementation = EXPERTS_NAME if report.blocks else config._experts_implementation
     log.info(
-        "lightning_sloth experts: %s x%d%s (%d with LoRA inside the grouped GEMMs), float32 routers x%d, "
-        "MoE blocks x%d",
+        "lightning_sloth experts: %s x%d, token permutation %s (%d with LoRA inside the grouped GEMMs), "
+        "float32 routers x%d, MoE blocks x%d",
         moe_type,
         len(report.experts),
-        ", permutation fused into the grouped GEMMs" if report.fused else "",
+        report.permutation,
         len(report.lora),
         len(report.routers),
         len(report.blocks),
