@@ -62,8 +62,9 @@ WEIGHT_LOADS = "pointer"
 descriptor over the weight, zero-filled past its edges), ``tma_ws`` (that, in a warp-specialised K
 loop, the producer warps loading while the consumers multiply; not with the one-pass rank-r side).
 The GEMM alone gained up to 19-27% with them on the H200 on ``[E, N, K]`` weights and lost on others
-(``benchmarks/results/moe_gemm_variants_ws_h200.json``); off until the block measures them
-(``benchmarks/moe_bench.py --weight-loads``). A weight a descriptor cannot address (no unit-stride
+(``benchmarks/results/moe_gemm_variants_ws_h200.json``); on the whole block the three modes' round
+medians overlap on both shapes (``moe_fused_weight_loads_h200.json``, ``moe_bench.py --weight-loads``),
+so the pointer loads stay the default. A weight a descriptor cannot address (no unit-stride
 dimension, strides or base not 16-byte aligned) keeps the pointer loads."""
 
 WGRAD_TILES: tuple[int, int, int, int, int] | None = None

@@ -139,8 +139,12 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         elif hasattr(module, FUSED_ATTR):
             delattr(module, FUSED_ATTR)
     report.fused = enabled == "fused"
-    setting = enabled if enabled in ("fused", "separate") else fused_permutation_setting()
-    report.permutation = {None: "fused on CUDA", True: "fused", False: "separate"}.get(setting, setting)
+    if enabled in ("fused", "separate"):
+        report.permutation = enabled
+    else:
+        report.permutation = {None: "fused on CUDA", True: "fused", False: "separate"}[
+            fused_permutation_setting()
+        ]
     uninstall_lora_experts(base)
     for module in base.modules():
         if _forwards.patched_op(module) in _MOE_OPS:
