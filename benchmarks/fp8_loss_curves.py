@@ -18,7 +18,9 @@ beside it (``seeds`` in the JSON).
 Tasks: ``default`` (the app's default run: LoRA on the packaged tiny base, synthetic task) and
 ``llama_1b`` (``experiment=llama_1b_bench``: the Llama-3.2-1B shape, random weights, 16k-token
 batches; validated once, at the end, on 128 documents: each validation generates every response,
-which at 512 documents takes longer than the 200 training steps). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
+which at 512 documents takes longer than the 200 training steps), and ``moe_tiny``
+(``model=qwen3_moe_tiny lora=moe_experts``: a small random Qwen3-MoE with LoRA on attention and
+experts; with ``fp8`` its expert weights are in FP8 too). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
 k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8_bf16grad``,
 ``fp8_exact_accum`` (the sums promoted to float32: ``precision.fp8_fast_accum=false``);
 ``nf4`` and ``nf4_fp8`` (QLoRA, NF4 bases requantised to FP8) on request::
@@ -26,6 +28,7 @@ k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8
     python benchmarks/fp8_loss_curves.py --task default  --steps 200          # about 2 minutes
     python benchmarks/fp8_loss_curves.py --task llama_1b --steps 200 --variants bf16,fp8
     python benchmarks/fp8_loss_curves.py --task default  --seeds 0,1,2 --variants bf16,fp8,fp8_bf16grad
+    python benchmarks/fp8_loss_curves.py --task moe_tiny --seeds 0,1,2 --variants bf16,fp8
 
 On a machine without FP8 tensor cores (a CPU) the FP8 variants run the plain-torch emulation, the
 GPU kernels' oracle, and ``bf16`` runs the app's ``auto`` precision there: float32 (``compute`` in
@@ -53,6 +56,7 @@ from pathlib import Path
 TASKS = {
     "default": [],
     "llama_1b": ["experiment=llama_1b_bench"],
+    "moe_tiny": ["model=qwen3_moe_tiny", "lora=moe_experts"],
 }
 VARIANTS = {
     "bf16": [],

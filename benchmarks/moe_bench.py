@@ -18,6 +18,12 @@ the 4-bit experts::
     python benchmarks/moe_bench.py --out moe_layer.json [--tokens 16384] [--skip-eager]
     python benchmarks/moe_bench.py --out moe_nf4.json --shapes qwen3_30b_a3b --systems grouped_mm,sloth,sloth_nf4
 
+``sloth_fp8`` is ``sloth`` with the expert weights stored in FP8 e4m3 (``lightning_sloth.moe.fp8``:
+``torch._scaled_grouped_mm`` with row-wise scales, the separate gather and combine); its difference to
+``grouped_mm`` includes the activations' e4m3 rounding::
+
+    python benchmarks/moe_bench.py --modes lora --systems grouped_mm,sloth,sloth_fused,sloth_fp8
+
 ``sloth_fused`` (and ``sloth_fused_nf4``) is ``sloth`` with the fused permutation
 (``lightning_sloth.moe.fused``): the first grouped GEMM reads the token rows through the sort
 permutation and the second writes through it into the combine, so neither the gathered copy nor the
@@ -85,8 +91,9 @@ SHAPES = {
         intermediate_size=2880,
     ),
 }
-SYSTEMS = ("eager", "grouped_mm", "sloth", "sloth_fused", "sloth_nf4", "sloth_fused_nf4")
-"""Run in this order: the NF4 systems quantise the experts in place, so they come last."""
+SYSTEMS = ("eager", "grouped_mm", "sloth", "sloth_fused", "sloth_nf4", "sloth_fused_nf4", "sloth_fp8")
+"""Run in this order: the NF4 and FP8 systems quantise the experts in place, so they come last (and a
+run takes one of the two formats)."""
 FUSED_SYSTEMS = "grouped_mm,sloth,sloth_fused"
 
 
@@ -131,6 +138,7 @@ def _with_lora(block: torch.nn.Module) -> torch.nn.Module:
 
 def _select(block: torch.nn.Module, system: str) -> None:
     from lightning_sloth.moe import install_lora_experts, register, uninstall_lora_experts
+    from lightning_sloth.moe.fp8 import quantize_experts_fp8
     from lightning_sloth.moe.fused import set_fused_permutation
     from lightning_sloth.moe.quant import quantize_experts
 
@@ -139,6 +147,8 @@ def _select(block: torch.nn.Module, system: str) -> None:
     set_fused_permutation(system.startswith("sloth_fused"))
     if system.endswith("_nf4"):  # in place (idempotent): these systems run last
         quantize_experts(experts, "nf4")
+    if system.endswith("_fp8"):
+        quantize_experts_fp8(experts)
     if system.startswith("sloth"):
         system = "sloth"
     experts.config._experts_implementation = system
@@ -392,6 +402,11 @@ def run_case(
             results["sweep_best"] = best
             if "median_ms" in grouped:
                 results["sweep_best_speedup_vs_grouped_mm"] = grouped["median_ms"] / best["median_ms"]
+    fp8 = results.get("sloth_fp8", {})
+    if "median_ms" in fp8:
+        for name, other in (("grouped_mm", grouped), ("sloth", ours), ("sloth_fused", fused)):
+            if "median_ms" in other:
+                results[f"fp8_speedup_vs_{name}"] = other["median_ms"] / fp8["median_ms"]
     nf4 = results.get("sloth_nf4", {})
     if "median_ms" in nf4 and "median_ms" in ours:
         results["nf4_time_ratio_vs_sloth_bf16"] = nf4["median_ms"] / ours["median_ms"]
@@ -502,6 +517,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         moe_fused.GROUP_M = args.group_m
     wanted = args.systems.split(",")
+    if any(s.endswith("_nf4") for s in wanted) and "sloth_fp8" in wanted:
+        parser.error("the NF4 and FP8 systems both quantise the experts in place: run them separately")
     unknown = sorted(set(wanted) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")

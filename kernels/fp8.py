@@ -3,7 +3,8 @@ FP8 codes, from one read of a 16-bit (or float32) input.
 
 Computes exactly what ``lightning_sloth.ops.fp8_formats.quantize_rows`` computes in plain torch::
 
-    v        = float32(x[i, j]) * col_scale[j]     (col_scale optional: W's scales folded into dy)
+    v        = float32(x[i, j]) * col_scale[j]     (col_scale optional: W's scales folded into dy;
+                                                   row_groups[i] picks row i's [K] row of a 2-D one)
     scale[i] = max_j |v| / FMAX                     (1 for a zero row)
     q[i, j]  = fp8_rne(clamp(v / scale[i], -FMAX, FMAX))
 
@@ -41,12 +42,16 @@ def _quantize_rows_kernel(
     n_cols,
     stride_x,
     stride_q,
+    ROW_GROUPS,
     FMAX: tl.constexpr,
     HAS_COL_SCALE: tl.constexpr,
+    HAS_ROW_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
+    if HAS_ROW_GROUPS:
+        COL_SCALE += tl.load(ROW_GROUPS + row).to(tl.int64) * n_cols
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -70,17 +75,27 @@ def _quantize_rows_kernel(
 
 
 def quantize_rows(
-    x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    col_scale: torch.Tensor | None = None,
+    row_groups: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [M, K] in dtype, scales [M, 1] float32)`` of ``x [M, K]`` (unit stride along K).
 
     Args:
         x: float16/bfloat16/float32 ``[M, K]``.
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        col_scale: optional float32 ``[K]`` multiplied into each row before the amax.
+        col_scale: optional float32 ``[K]`` multiplied into each row before the amax, or ``[G, K]``
+            (contiguous) with ``row_groups``: row i is multiplied by ``col_scale[row_groups[i]]``.
+        row_groups: int64 ``[M]`` group of each row (an expert's scales for its rows), with a 2-D
+            ``col_scale`` only.
     """
     if dtype not in _FP8:
         raise ValueError(f"quantize_rows writes float8_e4m3fn or float8_e5m2, not {dtype}")
+    if (row_groups is not None) != (col_scale is not None and col_scale.dim() == 2):
+        raise ValueError("quantize_rows: row_groups goes with a 2-D [G, K] col_scale, and only with one")
+    if col_scale is not None:
+        col_scale = col_scale.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
     n_rows, n_cols = x.shape
@@ -98,8 +113,10 @@ def quantize_rows(
         n_cols,
         x.stride(0),
         q.stride(0),
+        row_groups if row_groups is not None else scale,
         FMAX=torch.finfo(dtype).max,
         HAS_COL_SCALE=col_scale is not None,
+        HAS_ROW_GROUPS=row_groups is not None,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )

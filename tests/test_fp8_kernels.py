@@ -27,6 +27,23 @@ def test_interpreted_row_scales_equal_the_reference(fmt, col_scale):
 
 
 @interpreted_only
+def test_interpreted_row_groups_pick_each_rows_column_scales():
+    """An FP8 expert weight's input gradient: row i multiplied by its expert's scales
+    ``col_scale[row_groups[i]]`` before its amax, bit for bit the plain-torch gather."""
+    from lightning_sloth.kernels import fp8
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=gen)
+    table = torch.rand(4, 300, generator=gen) + 0.5
+    groups = torch.tensor([0, 0, 1, 3, 3, 3, 2, 1, 0])
+    codes, scale = fp8.quantize_rows(x, torch.float8_e4m3fn, table, groups)
+    ref_codes, ref_scale = quantize_rows(x * table[groups], "e4m3")
+    assert torch.equal(scale, ref_scale)
+    with pytest.raises(ValueError, match="row_groups"):
+        fp8.quantize_rows(x, torch.float8_e4m3fn, table)
+
+
+@interpreted_only
 @pytest.mark.parametrize("shape", [(256, 384), (300, 130), (1, 17), (0, 5)])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8])
 def test_interpreted_byte_transpose_equals_torchs(shape, dtype):
@@ -51,6 +68,6 @@ def test_byte_transpose_refuses_wider_elements():
 @launcher_only
 def test_kernels_under_triton_interpreter():
     result = run_interpreted_cases(__file__)
-    assert result.returncode == 0 and "12 passed" in result.stdout, (
+    assert result.returncode == 0 and "13 passed" in result.stdout, (
         result.stdout[-3000:] + result.stderr[-3000:]
     )

@@ -284,19 +284,23 @@ MOE_SHAPE_NAMES = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "gpt_oss_20b": "GPT-OSS-20B
 def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> str:
     """One MoE layer (``benchmarks/moe_bench.py``): median ms and peak over the layer's inputs per
     experts implementation, with the speed-up and the memory ratio against ``grouped_mm``; a column
-    for 4-bit experts (``sloth_nf4``) and one for the fused permutation (``sloth_fused``, with its
-    own speed-up) where a file measured them."""
+    for 4-bit experts (``sloth_nf4``), one for the fused permutation (``sloth_fused``, with its
+    own speed-up) and one for FP8 experts (``sloth_fp8``, with its speed-up) where a file measured them."""
     results = [result for report in reports for result in report["results"].values()]
     nf4 = any("sloth_nf4" in result for result in results)
     fused = any("sloth_fused" in result for result in results)
+    fp8 = any("sloth_fp8" in result for result in results)
     impls = (
         ["eager", "grouped_mm", "sloth"] + (["sloth_nf4"] if nf4 else []) + (["sloth_fused"] if fused else [])
     )
+    impls += ["sloth_fp8"] if fp8 else []
     header = ["shape, experts", "transformers `eager`", "transformers `grouped_mm`", "lightning_sloth"]
     header += ["lightning_sloth, NF4 experts"] if nf4 else []
     header += ["lightning_sloth, fused permutation"] if fused else []
+    header += ["lightning_sloth, FP8 experts"] if fp8 else []
     header += ["speed-up vs `grouped_mm`"]
     header += ["fused: speed-up vs `grouped_mm` / vs lightning_sloth"] if fused else []
+    header += ["FP8: speed-up vs `grouped_mm`"] if fp8 else []
     header += ["peak vs `grouped_mm`"]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     for report in reports:
@@ -322,6 +326,8 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
                     result.get("fused_speedup_vs_sloth"),
                 )
                 cells.append(f"{num(vs_mm, '.2f')}× / {num(vs_sloth, '.2f')}×")
+            if fp8:
+                cells.append(f"{num(result.get('fp8_speedup_vs_grouped_mm'), '.2f')}×")
             cells.append(num(memory, ".2f"))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     tokens = reports[-1].get("tokens")

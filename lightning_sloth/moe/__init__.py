@@ -14,7 +14,9 @@ Rooms:
   :func:`~.switch.set_fused_permutation`; by default where the rows are on CUDA);
 - :mod:`.indexed`: the indexed grouped GEMMs under :mod:`.fused`, Triton and plain torch;
 - :mod:`.quant`: 4-bit expert weights (``SlothPrecision(quantize=...)``) and the grouped GEMM
-  that dequantises them into a reusable buffer, forward and backward.
+  that dequantises them into a reusable buffer, forward and backward;
+- :mod:`.fp8`: FP8 e4m3 expert weights (``SlothPrecision(base_dtype="fp8")``) and the grouped GEMM
+  on Hopper's FP8 tensor cores (``torch._scaled_grouped_mm``), activations quantised per row.
 
 ``SlothStrategy`` selects all of it for every family of :data:`LAYOUTS` (Qwen3-MoE, Mixtral, GPT-OSS,
 Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, GLM-4-MoE, DeepSeek-V3, Llama 4; ``moe=False`` keeps

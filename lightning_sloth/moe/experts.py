@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_sloth.moe.fp8 import expert_fp8_storage, has_fp8_experts, lora_grouped_mm_fp8
 from lightning_sloth.moe.fused import (
     fused_permutation_enabled,
     gather_lora_grouped_mm,
@@ -81,6 +82,18 @@ def _project(
     dtype = x.dtype
     bias = None if bias is None else bias.to(dtype)
     weight = getattr(experts, name)
+    fp8 = expert_fp8_storage(experts, name)
+    if fp8 is not None:  # FP8 e4m3 codes with per-channel scales (lightning_sloth.moe.fp8)
+        return lora_grouped_mm_fp8(
+            x,
+            fp8,
+            None if lora is None else lora.a.to(dtype),
+            None if lora is None else lora.b.to(dtype),
+            0.0 if lora is None else lora.scale,
+            grouping.ends,
+            bias=bias,
+            expert_ids=grouping.expert_ids,
+        )
     storage = expert_storage(experts, name)
     if storage is not None:  # 4-bit: dequantised into a reusable buffer inside the op
         return lora_grouped_mm_4bit(
@@ -206,8 +219,10 @@ def experts_forward(
     # the router's gradient then needs only the activation's input, not the [S, H] expert outputs.
     activation = getattr(getattr(experts, "config", None), "hidden_act", None)
     weight_first = not (layout.bias or layout.clamped or layout.scaled_input) and activation in _SILU
-    if fused_permutation_enabled(experts, hidden_states.device) and not layout.scaled_input:
-        # The gather and the combine run inside the GEMMs (lightning_sloth.moe.fused).
+    fused = fused_permutation_enabled(experts, hidden_states.device)
+    if fused and not layout.scaled_input and not has_fp8_experts(experts):
+        # The gather and the combine run inside the GEMMs (lightning_sloth.moe.fused); its Triton
+        # GEMMs are 16-bit, so FP8 experts take the separate passes.
         h = _fused_project(
             hidden_states.to(dtype),
             experts,

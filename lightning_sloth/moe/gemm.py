@@ -31,7 +31,7 @@ from lightning_sloth.ops.registry import (
 if TRITON_OPS:
     from lightning_sloth.kernels import moe as _kernels
 
-__all__ = ["grouped_mm", "grouped_mm_reference", "lora_grouped_mm", "lora_rows"]
+__all__ = ["add_bias_and_lora", "grouped_mm", "grouped_mm_reference", "lora_grouped_mm", "lora_rows"]
 
 
 def grouped_mm_reference(x: Tensor, weight: Tensor, ends: Tensor, transposed: bool) -> Tensor:
@@ -247,6 +247,15 @@ def lora_rows(
     """``(out [S, N], xa [S, r])``: ``out = x W_e (+ b_e) + scale (x A_e^T) B_e^T`` over rows in expert
     order, in separate passes (the base GEMM, the bias, the rank-r down and up products)."""
     out = _mm(x, weight, ends, w_is_kn=transposed)
+    return add_bias_and_lora(out, x, bias, lora_a, lora_b, scale, ends, expert_ids)
+
+
+def add_bias_and_lora(
+    out: Tensor, x: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scale: float, ends: Tensor,
+    expert_ids: Tensor,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out + b_e + scale (x A_e^T) B_e^T, xa [S, r])`` for a base product ``out [S, N]`` already made
+    (in place where the Triton kernels run)."""
     rank = lora_a.shape[1]
     fold = bias is not None and rank > 0 and use_triton(out)  # the bias rides the rank-r pass over out
     if bias is not None and not fold:

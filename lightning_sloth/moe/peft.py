@@ -33,6 +33,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_sloth.moe.experts import LoraFactors, experts_forward
+from lightning_sloth.moe.fp8 import expert_fp8_storage
 from lightning_sloth.moe.layouts import LAYOUTS, experts_model_type, layout_of
 from lightning_sloth.moe.quant import expert_storage
 
@@ -104,7 +105,7 @@ def experts_and_lora(module: nn.Module) -> tuple[nn.Module, dict[str, LoraFactor
         ``(experts, None)`` outside the plain case (see :func:`expert_lora_factors`).
 
     Raises:
-        ValueError: LoRA outside the plain case on a weight stored in 4 bits (nothing else can run it).
+        ValueError: LoRA outside the plain case on a weight stored in 4 bits or FP8 (nothing else can run it).
     """
     chain, experts = _chain(module)
     transposed = layout_of(experts).transposed if chain else None
@@ -112,10 +113,11 @@ def experts_and_lora(module: nn.Module) -> tuple[nn.Module, dict[str, LoraFactor
     for wrapper in chain:
         factors = expert_lora_factors(wrapper, transposed)
         if factors is None or wrapper.parameter_name in lora:
-            if expert_storage(experts, wrapper.parameter_name) is not None:
+            name = wrapper.parameter_name
+            if expert_storage(experts, name) is not None or expert_fp8_storage(experts, name) is not None:
                 raise ValueError(
-                    f"PEFT LoRA on {wrapper.parameter_name} of {type(experts).__name__}, whose expert weight is "
-                    "stored in 4 bits, is not in the plain case (one active, unmerged adapter made on the dense "
+                    f"PEFT LoRA on {name} of {type(experts).__name__}, whose expert weight is "
+                    "stored in 4 bits or FP8, is not in the plain case (one active, unmerged adapter made on the dense "
                     "3-D weight): apply the adapters before quantising and keep one active adapter"
                 )
             return experts, None

@@ -26,6 +26,7 @@ recipe). Both need FP8 tensor cores on CUDA (sm89+); on CPU they run the plain-t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
+from lightning_sloth.moe.fp8 import has_fp8_experts
 from lightning_sloth.ops import fp8 as fp8_ops
 from lightning_sloth.ops.fp8_formats import check_fp8_device, check_grad_format
 from lightning_sloth.plugins.local_shards import (
@@ -42,6 +44,8 @@ from lightning_sloth.plugins.local_shards import (
     steps_on_local_shards,
 )
 from lightning_sloth.quant.fp8 import FP8_SKIP, float8_training, fp8_base_model, fp8_compute_4bit
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
 
@@ -208,6 +212,13 @@ class SlothPrecision(Precision):
             fp8_compute_4bit(module, self.fp8_grad, self.fp8_skip)  # 4-bit storage, FP8 products
         elif self.base_dtype == "fp8":
             fp8_base_model(module, self.quantize_skip + self.fp8_skip, self.fp8_grad)
+            experts = sum(has_fp8_experts(m) for m in module.modules())
+            log.info(
+                "SlothPrecision: base weights in FP8 e4m3: %d linear layers, %d MoE experts modules%s",
+                sum(callable(getattr(m, "fp8_weight", None)) for m in module.modules()),
+                experts,
+                " (their token permutation in separate passes)" if experts else "",
+            )
         if self.fp8_training:
             float8_training(module, self.quantize_skip)
         return super().convert_module(module)

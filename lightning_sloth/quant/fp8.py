@@ -17,6 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_sloth.moe.fp8 import has_fp8_experts, quantize_experts_fp8
+from lightning_sloth.moe.layouts import layout_of
+from lightning_sloth.moe.quant import expert_storage
 from lightning_sloth.ops.fp8 import linear_fp8
 from lightning_sloth.ops.fp8_formats import (
     FP8_DTYPES,
@@ -29,7 +32,14 @@ from lightning_sloth.ops.fp8_lora import lora_linear_fp8, plain_fp8
 from lightning_sloth.ops.fp8_qlora import lora_linear_4bit_fp8
 from lightning_sloth.ops.lora_layers import adapter_in
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference
-from lightning_sloth.quant.linear import Linear4bit, _is_adapter, _skipped, compute_dtype, four_bit_storage
+from lightning_sloth.quant.linear import (
+    Linear4bit,
+    _is_adapter,
+    _is_expert_container,
+    _skipped,
+    compute_dtype,
+    four_bit_storage,
+)
 
 _E4M3 = FP8_DTYPES["e4m3"]
 
@@ -151,10 +161,12 @@ def fp8_base_model(
 ) -> list[str]:
     """Replace every frozen base linear layer of ``model`` with a :class:`LinearFP8`, in place.
 
-    Converted: plain ``nn.Linear`` layers (bf16/float32) and 4-bit layers (ours and bitsandbytes',
-    decoded first: QLoRA with FP8 compute). Kept: modules whose name has a ``skip`` entry as a part,
-    PEFT adapters and trained copies, MoE experts' 3-D weights, and layers already in FP8. One layer
-    at a time, so the model never sits in both formats at once.
+    Converted: plain ``nn.Linear`` layers (bf16/float32), 4-bit layers (ours and bitsandbytes',
+    decoded first: QLoRA with FP8 compute) and the 16-bit 3-D expert weights of the MoE families the
+    "sloth" experts run (:func:`~lightning_sloth.moe.fp8.quantize_experts_fp8`). Kept: modules whose
+    name has a ``skip`` entry as a part, PEFT adapters and trained copies, 4-bit expert weights, the
+    experts of other families, and layers already in FP8. One layer at a time, so the model never
+    sits in both formats at once.
 
     Args:
         model: any module (a PEFT model, a transformers model, a LightningModule).
@@ -176,6 +188,11 @@ def fp8_base_model(
     already = 0
     for name in [name for name, _ in model.named_modules()]:
         module = model.get_submodule(name)
+        if _is_expert_container(module) and not _skipped(name, skip) and _runs_sloth_experts(module):
+            already += has_fp8_experts(module)
+            converted += [f"{name}.{w}" for w in quantize_experts_fp8(module, grad_format, device)]
+            if has_fp8_experts(module) and expert_storage(module, "gate_up_proj") is None:
+                module.codes_per_byte = 1  # flop_parameters: one e4m3 value per uint8
         for child_name in [child_name for child_name, _ in module.named_children()]:
             child = module.get_submodule(child_name)
             full = f"{name}.{child_name}" if name else child_name
@@ -198,6 +215,15 @@ def fp8_base_model(
             "weights are for the frozen linear layers of a transformer"
         )
     return converted
+
+
+def _runs_sloth_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module of a family the "sloth" experts run."""
+    try:
+        layout_of(module)
+    except (NotImplementedError, ValueError, AttributeError):
+        return False
+    return True
 
 
 def add_lora(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:

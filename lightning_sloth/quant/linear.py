@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sloth.moe.fp8 import dequantize_experts_fp8
 from lightning_sloth.moe.layouts import LAYOUTS
 from lightning_sloth.moe.quant import (
     EXPERT_WEIGHTS,
@@ -385,7 +386,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> li
     export.
 
     Every :class:`Linear4bit`, bitsandbytes ``Linear4bit`` and FP8 ``LinearFP8`` (codes times
-    scales) becomes an ``nn.Linear`` and every 4-bit MoE expert weight a dense 3-D parameter.
+    scales) becomes an ``nn.Linear`` and every 4-bit or FP8 MoE expert weight a dense 3-D parameter.
     Weights are decoded exactly as training decoded them, ``code[q] * absmax`` in float32
     (double-quantised scales first), then rounded once to ``dtype``: in float32 that is the exact
     value whose rounding the 16-bit compute used. PEFT wrappers stay around the new layers, so
@@ -398,6 +399,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> li
     for name in [name for name, _ in model.named_modules()]:
         module = model.get_submodule(name)
         converted += [f"{name}.{w}" for w in dequantize_experts(module, dtype)]
+        converted += [f"{name}.{w}" for w in dequantize_experts_fp8(module, dtype)]
         # A PEFT wrapper shows its base's weight as its own: only the base layer itself is replaced.
         if not name or hasattr(module, "base_layer"):
             continue
