@@ -20,7 +20,7 @@ Tasks: ``default`` (the app's default run: LoRA on the packaged tiny base, synth
 batches; validated once, at the end, on 128 documents: each validation generates every response,
 which at 512 documents takes longer than the 200 training steps), and ``moe_tiny``
 (``model=qwen3_moe_tiny lora=moe_experts``: a small random Qwen3-MoE with LoRA on attention and
-experts; with ``fp8`` its expert weights are in FP8 too). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
+experts; with ``fp8`` its expert weights are in FP8 too: ``precision.fp8_experts=true``). Variants: ``bf16`` (the baseline), ``fp8`` (the ``fp8_lora`` preset: e4m3 gradients,
 k/v projections kept in bf16), ``fp8_all`` (k/v in FP8 too), ``fp8_e5m2``, ``fp8_bf16grad``,
 ``fp8_exact_accum`` (the sums promoted to float32: ``precision.fp8_fast_accum=false``);
 ``nf4`` and ``nf4_fp8`` (QLoRA, NF4 bases requantised to FP8) on request::
@@ -80,6 +80,8 @@ def overrides(task: str, variant: str, steps: int, run_dir: Path, seed: int | No
         args += ["data.num_val=128", f"trainer.val_check_interval={steps}"]
         if variant != "bf16":
             args.append("precision.precision=bf16_true")
+    if task == "moe_tiny" and "precision=fp8_lora" in args:
+        args.append("precision.fp8_experts=true")  # its experts are narrower than the FP8 default's
     if seed is not None:
         args.append(f"seed={seed}")
     return args + [

@@ -233,6 +233,7 @@ def build_precision(precision: DictConfig) -> SlothPrecision:
             ("fp8_grad", "e4m3"),
             ("fp8_training", False),
             ("fp8_fast_accum", True),
+            ("fp8_experts", None),
         )
         if precision.get(key, default) != default
     }

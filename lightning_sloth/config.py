@@ -236,7 +236,8 @@ class PrecisionConfig:
     ``base_dtype: fp8`` stores the frozen base linear layers in FP8 e4m3 (LoRA, or QLoRA with
     ``quantize``), ``fp8_grad`` the input gradient's format (``e4m3``, ``e5m2``, ``bf16``),
     ``fp8_skip`` the layers whose products stay in the compute dtype (the key and value projections),
-    ``fp8_fast_accum`` whether the FP8 products accumulate in the tensor cores' fast mode (default);
+    ``fp8_fast_accum`` whether the FP8 products accumulate in the tensor cores' fast mode (default),
+    ``fp8_experts`` MoE expert weights in FP8 (null: experts at least 2,048 wide; true; false);
     ``fp8_training: true`` is full fine-tuning in FP8 through torchao.
     """
 
@@ -248,6 +249,7 @@ class PrecisionConfig:
     fp8_training: bool = False
     fp8_skip: list[str] = field(default_factory=lambda: ["k_proj", "v_proj"])
     fp8_fast_accum: bool = True
+    fp8_experts: bool | None = None
 
 
 @dataclass

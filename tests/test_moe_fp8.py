@@ -32,7 +32,7 @@ from lightning_sloth.ops.fp8_formats import (
 )
 from lightning_sloth.patching import apply_experts
 from lightning_sloth.quant import dequantize_model
-from lightning_sloth.quant.fp8 import fp8_base_model
+from lightning_sloth.quant.fp8 import FP8_EXPERTS_MIN_WIDTH, fp8_base_model
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")
@@ -262,10 +262,21 @@ def test_model_with_fp8_experts_follows_eager_peft_on_the_dequantised_weights(fa
         assert torch.equal(grads_fused[name], grad), name
 
 
-def test_fp8_base_model_converts_the_experts_and_skip_keeps_them():
+def test_fp8_base_model_converts_wide_experts_or_as_told_and_skip_keeps_them():
+    narrow = _peft("qwen3_moe")  # experts 24 wide: under FP8_EXPERTS_MIN_WIDTH, kept in bf16 by default
+    apply_experts(narrow)
+    assert not any("experts" in n for n in fp8_base_model(narrow))
+    wide = tiny_moe("gpt_oss", experts=2)
+    for experts in _experts_modules(wide).values():  # GPT-OSS layout: [E, H, 2I] and [E, I, H]
+        width, hidden = FP8_EXPERTS_MIN_WIDTH, experts.down_proj.shape[2]
+        experts.gate_up_proj = nn.Parameter(torch.randn(2, hidden, 2 * width) * 0.02)
+        experts.down_proj = nn.Parameter(torch.randn(2, width, hidden) * 0.02)
+    assert sum("experts" in n for n in fp8_base_model(wide)) == 4
+    with pytest.raises(TypeError, match="experts"):
+        fp8_base_model(tiny_moe("qwen3_moe"), experts="yes")
     model = _peft("qwen3_moe")
     apply_experts(model)
-    converted = fp8_base_model(model)
+    converted = fp8_base_model(model, experts=True)
     assert sum(n.endswith(".gate_up_proj") and "experts" in n for n in converted) == 2
     assert all(has_fp8_experts(m) for m in _experts_modules(model).values())
     assert any(n.endswith("o_proj") for n in converted)
@@ -275,9 +286,10 @@ def test_fp8_base_model_converts_the_experts_and_skip_keeps_them():
     assert not any(has_fp8_experts(m) for m in _experts_modules(model).values())
     kept = _peft("gpt_oss")
     apply_experts(kept)
-    converted = fp8_base_model(kept, skip=("lm_head", "experts"))
+    converted = fp8_base_model(kept, skip=("lm_head", "experts"), experts=True)
     assert converted and not any("experts" in n for n in converted)
     assert not any(has_fp8_experts(m) for m in _experts_modules(kept).values())
+    assert not any("experts" in n for n in fp8_base_model(_peft("gpt_oss"), experts=False))
 
 
 def test_other_experts_implementation_is_a_clear_error():
@@ -315,7 +327,8 @@ def test_trainer_trains_fp8_experts_and_leaves_the_codes_untouched():
             losses.append(float(outputs["loss"]))
 
     trainer = Trainer(
-        plugins=[SlothPrecision("32-true", base_dtype="fp8")], strategy=SlothStrategy(kernels=True),
+        plugins=[SlothPrecision("32-true", base_dtype="fp8", fp8_experts=True)],
+        strategy=SlothStrategy(kernels=True),
         max_steps=10, limit_val_batches=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
     )  # fmt: skip

@@ -96,6 +96,11 @@ class SlothPrecision(Precision):
             Hopper, 2-3e-3 relative error beside e4m3's 0.037) or promote to float32 as they go.
             It holds for the whole process (:data:`lightning_sloth.ops.fp8.FAST_ACCUM`), set when
             the module is converted.
+        fp8_experts: with ``base_dtype="fp8"``, MoE expert weights in FP8 too
+            (:mod:`lightning_sloth.moe.fp8`): ``None`` (default) for experts at least
+            :data:`~lightning_sloth.quant.fp8.FP8_EXPERTS_MIN_WIDTH` wide (GPT-OSS-20B's 2,880 gains,
+            Qwen3-30B-A3B's 768 loses), ``True`` for all, ``False`` for none. FP8 experts take the
+            separate gather and combine passes.
         fp8_training: full fine-tuning with torchao's float8 training (row-wise recipe) on every
             linear layer but ``quantize_skip``; needs the ``fp8`` extra (torchao).
 
@@ -131,8 +136,12 @@ class SlothPrecision(Precision):
         fp8_training: bool = False,
         fp8_skip: Sequence[str] = FP8_SKIP,
         fp8_fast_accum: bool = True,
+        fp8_experts: bool | None = None,
     ) -> None:
         self.quantize = quantize
+        if fp8_experts not in (None, True, False):
+            raise TypeError(f"SlothPrecision: fp8_experts must be None, True or False, got {fp8_experts!r}")
+        self.fp8_experts = fp8_experts
         if not isinstance(fp8_fast_accum, bool):
             raise TypeError(f"SlothPrecision: fp8_fast_accum must be True or False, got {fp8_fast_accum!r}")
         self.fp8_fast_accum = fp8_fast_accum
@@ -211,7 +220,9 @@ class SlothPrecision(Precision):
         if self.base_dtype == "fp8" and self.quantize is not None:
             fp8_compute_4bit(module, self.fp8_grad, self.fp8_skip)  # 4-bit storage, FP8 products
         elif self.base_dtype == "fp8":
-            fp8_base_model(module, self.quantize_skip + self.fp8_skip, self.fp8_grad)
+            fp8_base_model(
+                module, self.quantize_skip + self.fp8_skip, self.fp8_grad, experts=self.fp8_experts
+            )
             experts = sum(has_fp8_experts(m) for m in module.modules())
             log.info(
                 "SlothPrecision: base weights in FP8 e4m3: %d linear layers, %d MoE experts modules%s",

@@ -153,34 +153,54 @@ class LinearFP8(nn.Linear):
         )
 
 
+FP8_EXPERTS_MIN_WIDTH = 2048
+"""The smallest expert width (each expert's intermediate size) whose weights
+:func:`fp8_base_model` stores in FP8 by default (``experts=None``). One MoE layer with LoRA on the
+experts at 16k tokens on the H200 (``docs/moe.md``): the GPT-OSS-20B shape (width 2,880) ran 14%
+faster with FP8 experts than the fastest bf16 path, the Qwen3-30B-A3B shape (width 768) 11% slower:
+the per-row quantisations and the separate gather and combine outweigh a narrow expert's GEMMs.
+Widths in between are unmeasured."""
+
+
+def _expert_width(module: nn.Module) -> int:
+    """Each expert's intermediate size: the input width of ``down_proj``."""
+    down = module.down_proj
+    return int(down.shape[1] if layout_of(module).transposed else down.shape[2])
+
+
 def fp8_base_model(
     model: nn.Module,
     skip: Iterable[str] = ("lm_head",),
     grad_format: str = "e4m3",
     device: torch.device | str | None = None,
+    experts: bool | None = None,
 ) -> list[str]:
     """Replace every frozen base linear layer of ``model`` with a :class:`LinearFP8`, in place.
 
     Converted: plain ``nn.Linear`` layers (bf16/float32), 4-bit layers (ours and bitsandbytes',
-    decoded first: QLoRA with FP8 compute) and the 16-bit 3-D expert weights of the MoE families the
-    "sloth" experts run (:func:`~lightning_sloth.moe.fp8.quantize_experts_fp8`). Kept: modules whose
-    name has a ``skip`` entry as a part, PEFT adapters and trained copies, 4-bit expert weights, the
-    experts of other families, and layers already in FP8. One layer at a time, so the model never
-    sits in both formats at once.
+    decoded first: QLoRA with FP8 compute) and, as ``experts`` says, the 16-bit 3-D expert weights
+    of the MoE families the "sloth" experts run (:func:`~lightning_sloth.moe.fp8.quantize_experts_fp8`).
+    Kept: modules whose name has a ``skip`` entry as a part, PEFT adapters and trained copies, 4-bit
+    expert weights, the experts of other families, and layers already in FP8. One layer at a time, so
+    the model never sits in both formats at once.
 
     Args:
         model: any module (a PEFT model, a transformers model, a LightningModule).
         skip: module names (or name parts) kept as they are; ``lm_head`` by default.
         grad_format: the layers' input-gradient format (``"e4m3"``, ``"e5m2"``, ``"bf16"``).
         device: where to quantise (default: where each weight is).
+        experts: MoE expert weights in FP8: ``None`` (default) for experts at least
+            :data:`FP8_EXPERTS_MIN_WIDTH` wide, ``True`` for every experts module, ``False`` for none.
 
     Returns:
-        The qualified names of the layers converted.
+        The qualified names of the layers converted (expert weights as ``<module>.<weight>``).
 
     Raises:
         ValueError: if nothing could be converted (and nothing was in FP8 already).
         RuntimeError: for a CUDA device without FP8 tensor cores (below sm89).
     """
+    if experts not in (None, True, False):
+        raise TypeError(f"fp8_base_model: experts must be None, True or False, got {experts!r}")
     check_grad_format(grad_format)
     check_fp8_device(device if device is not None else next((p.device for p in model.parameters()), None))
     skip = tuple(skip)
@@ -188,7 +208,13 @@ def fp8_base_model(
     already = 0
     for name in [name for name, _ in model.named_modules()]:
         module = model.get_submodule(name)
-        if _is_expert_container(module) and not _skipped(name, skip) and _runs_sloth_experts(module):
+        if (
+            experts is not False
+            and _is_expert_container(module)
+            and not _skipped(name, skip)
+            and _runs_sloth_experts(module)
+            and (experts or has_fp8_experts(module) or _expert_width(module) >= FP8_EXPERTS_MIN_WIDTH)
+        ):
             already += has_fp8_experts(module)
             converted += [f"{name}.{w}" for w in quantize_experts_fp8(module, grad_format, device)]
             if has_fp8_experts(module) and expert_storage(module, "gate_up_proj") is None:

@@ -169,7 +169,7 @@ def test_no_host_sync_in_a_training_step():
 
 
 def test_precision_fp8_on_a_moe_model_puts_the_experts_in_fp8_and_trains():
-    """``SlothPrecision("bf16-true", base_dtype="fp8")`` through ``Trainer`` on a small Qwen3-MoE whose
+    """``SlothPrecision("bf16-true", base_dtype="fp8", fp8_experts=True)`` through ``Trainer`` on a small Qwen3-MoE whose
     expert products all run on the FP8 tensor cores: the experts' weights are e4m3 codes that do not
     move, the expert LoRA factors train, the loss falls."""
     from lightning.pytorch import Callback, Trainer, seed_everything
@@ -209,7 +209,8 @@ def test_precision_fp8_on_a_moe_model_puts_the_experts_in_fp8_and_trains():
     trainer = Trainer(
         accelerator="gpu", devices=1, max_steps=10, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        strategy=SlothStrategy(kernels=True), plugins=[SlothPrecision("bf16-true", base_dtype="fp8")],
+        strategy=SlothStrategy(kernels=True),
+        plugins=[SlothPrecision("bf16-true", base_dtype="fp8", fp8_experts=True)],
         callbacks=[Record()],
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
