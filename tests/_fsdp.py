@@ -160,6 +160,11 @@ def _progress(line: str) -> None:
             f.write(f"{time.strftime('%H:%M:%S')} rank {os.environ.get('RANK', '?')}: {line}\n")
 
 
+def _fp8_settings(base_dtype: str | None) -> dict:
+    """FP8 bases (``base_dtype="fp8"``): the linear layers but k/v, and every experts module."""
+    return {} if base_dtype is None else {"base_dtype": base_dtype, "fp8_experts": True}
+
+
 def fit(
     family: str,
     lora: bool,
@@ -185,6 +190,7 @@ def fit(
     meta_weights=None,
     shard_frozen: bool | str = True,
     reshard_after_forward: bool | None = None,
+    base_dtype: str | None = None,
 ) -> Recorder:
     """One ``Trainer.fit`` with ``SlothFSDPStrategy`` (or ``SlothDDPStrategy``: ``strategy="ddp"``)
     on the current (external) processes; with ``meta_weights`` the model is built on the meta
@@ -222,7 +228,7 @@ def fit(
         strategy=strategy_class(
             kernels=kernels or None, offload=offload, checkpoint_impl=checkpoint_impl, **sharding
         ),
-        plugins=[SlothPrecision(precision, quantize=quantize)],
+        plugins=[SlothPrecision(precision, quantize=quantize, **_fp8_settings(base_dtype))],
         callbacks=callbacks,
         max_steps=max_steps,
         max_epochs=max_epochs,
@@ -318,6 +324,7 @@ def reference_step(
     bf16_autocast: bool = False,
     quantize: str | None = None,
     bf16_weights: bool = False,
+    base_dtype: str | None = None,
 ):
     """One process, the same global batch: ``(loss, grads, grad_norm)`` of one optimizer step.
 
@@ -326,17 +333,22 @@ def reference_step(
     with plain modules, or (``bf16_autocast``) bf16 autocast with the kernels on. With
     ``quantize`` the base weights are stored in 4 bits first (the same seeded weights give the
     same codes and block scales, which are buffers and not recorded): the codes gathered from
-    the shards must equal them bit for bit. ``bf16_weights`` (with ``bf16_autocast``) stores the
+    the shards must equal them bit for bit; with ``base_dtype="fp8"`` the same for FP8 codes (the
+    linear layers but k/v, and the experts). ``bf16_weights`` (with ``bf16_autocast``) stores the
     floating parameters in bf16 as FSDP2's ``param_dtype`` does, so activations between ops
     (the residual stream too) are bf16, where autocast alone keeps float32 weights' outputs.
     """
     data_vocab = len(build_char_tokenizer())
     model = tiny_model(family, data_vocab, hidden=hidden)
     module = CausalLMModule(model, lora=lora_settings(family, lora))
-    if quantize is not None:
+    if quantize is not None or base_dtype is not None:
         from lightning_sloth.quant import quantize_model
+        from lightning_sloth.quant.fp8 import FP8_SKIP, fp8_base_model
 
-        quantize_model(module, quantize, device=device)  # where the sharded run quantised them
+        if quantize is not None:
+            quantize_model(module, quantize, device=device)  # where the sharded run quantised them
+        else:
+            fp8_base_model(module, ("lm_head", *FP8_SKIP), device=device, experts=True)
         params = dict(module.named_parameters())
         codes = {n: p for n, p in step_rank0["params"].items() if p.dtype == torch.uint8}
         assert codes and all(torch.equal(params[n].cpu(), p.cpu()) for n, p in codes.items())
@@ -430,6 +442,7 @@ _TWO_EPOCHS = dict(max_steps=-1, max_epochs=2, num_train=32, shuffle=False)
 MORE_CASES = (
     ("ddp", "llama", False, dict(strategy="ddp", **_ONE_STEP)),
     ("moe", "qwen3_moe", True, dict(_ONE_STEP)),
+    ("fp8", "qwen3_moe", True, dict(base_dtype="fp8", **_ONE_STEP)),
     ("nf4", "qwen3_moe", True, dict(quantize="nf4", **_TWO_EPOCHS)),
     ("offload", "llama", True, dict(offload="on", layers_per_unit=1, **_ONE_STEP)),
     # A LoRA base kept whole on every rank (shard_frozen=False): only the adapters are sharded, all in

@@ -96,6 +96,26 @@ def _assert_step_matches_one_process(record, other, family, lora, quantize=None)
     return grads
 
 
+def test_fp8_bases_and_experts_under_fsdp_match_one_process(more_runs):
+    """``SlothPrecision(base_dtype="fp8", fp8_experts=True)`` under FSDP2: the e4m3 codes of the
+    linear layers and the experts are sharded like any frozen parameter, gathered bit for bit (they
+    equal one process's codes of the same weights), and the step equals one process on the global
+    batch up to e4m3 code flips (float32 sums in another order can move a value across a rounding
+    boundary, as in ``tests/test_fp8.py``)."""
+    record, other = more_runs[0]["fp8"], more_runs[1]["fp8"]
+    assert any("fully_shard" in a for a in record["report"])
+    sharded, codes = record["codes_sharded"]
+    assert codes == 8 and sharded == codes  # q/o per layer and the experts' two weights, two layers
+    step0, step1 = record["steps"][0], other["steps"][0]
+    loss, grads, _ = _fsdp.reference_step("qwen3_moe", True, step0, step1, base_dtype="fp8")
+    torch.testing.assert_close(_fsdp.global_loss(record, other, step=0), float(loss), rtol=1e-4, atol=0)
+    assert grads and grads.keys() == step0["grads"].keys()
+    assert sum("experts" in n and "lora_B" in n for n in grads) == 4
+    for name, grad in grads.items():
+        error = (step0["grads"][name] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert error < 2**-6, (name, float(error))
+
+
 def test_ddp_normalises_by_the_global_target_tokens(more_runs):
     """sloth_ddp: gradients of one process on the global batch, not a mean of per-rank means."""
     record, other = more_runs[0]["ddp"], more_runs[1]["ddp"]
