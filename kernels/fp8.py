@@ -9,7 +9,7 @@ Computes exactly what ``lightning_sloth.ops.fp8_formats.quantize_rows`` computes
     q[i, j]  = fp8_rne(clamp(v / scale[i], -FMAX, FMAX))
 
 Divisions are IEEE round-to-nearest (``div_rn``) and the conversion rounds to nearest even, so the
-codes and scales equal the plain-torch ones bit for bit. A program owns one row: a row of up to 4,096
+codes and scales equal the plain-torch ones bit for bit. A program owns one row: a row of up to 16,384
 columns is read once and kept in registers; a longer one is walked twice in ``BLOCK``-wide chunks
 (the amax, then the codes; the second read of a row of a few KiB comes from L2): three bytes of
 traffic per bf16 element, against the dozens of the unfused torch ops.
@@ -31,6 +31,10 @@ import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+ONE_PASS_MAX_COLS = 16384
+"""The widest row read once and kept in registers (up to 32 warps, 16 values a thread); wider rows
+are walked twice in 4,096-wide chunks."""
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -118,7 +122,9 @@ def quantize_rows(
     scale = torch.empty(n_rows, 1, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return q, scale
-    block = min(4096, triton.next_power_of_2(max(n_cols, 16)))
+    block = triton.next_power_of_2(max(n_cols, 16))
+    if block > ONE_PASS_MAX_COLS:
+        block = 4096  # walked twice in chunks
     launchable(_quantize_rows_kernel)[(n_rows,)](
         x,
         col_scale if col_scale is not None else scale,
@@ -134,7 +140,7 @@ def quantize_rows(
         HAS_ROW_GROUPS=row_groups is not None,
         ONE_PASS=n_cols <= block,
         BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=min(32, max(8, block // 512)) if block >= 2048 else 4,
     )
     return q, scale
 

@@ -16,14 +16,16 @@ def test_interpreted_row_scales_equal_the_reference(fmt, col_scale):
     from lightning_sloth.kernels import fp8
 
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(6, 2 * 5000, generator=gen) * torch.exp(torch.randn(6, 1, generator=gen)))[:, ::2]
-    x[4] = 0.0
-    scales = torch.rand(5000, generator=gen) + 0.5 if col_scale else None
-    codes, scale = fp8.quantize_rows(x, {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt], scales)
-    ref_codes, ref_scale = quantize_rows(x * scales if col_scale else x, fmt)
-    assert codes.dtype == ref_codes.dtype and codes.shape == (6, 5000)
-    assert torch.equal(scale, ref_scale)
-    assert scale[4].item() == 1.0 and (codes[4].float() == 0).all()
+    for width in (5000, 17000):  # read once; walked twice in chunks (over ONE_PASS_MAX_COLS)
+        x = (torch.randn(6, 2 * width, generator=gen) * torch.exp(torch.randn(6, 1, generator=gen)))[:, ::2]
+        x[4] = 0.0
+        scales = torch.rand(width, generator=gen) + 0.5 if col_scale else None
+        dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+        codes, scale = fp8.quantize_rows(x, dtype, scales)
+        ref_codes, ref_scale = quantize_rows(x * scales if col_scale else x, fmt)
+        assert codes.dtype == ref_codes.dtype and codes.shape == (6, width)
+        assert torch.equal(scale, ref_scale)
+        assert scale[4].item() == 1.0 and (codes[4].float() == 0).all()
 
 
 @interpreted_only

@@ -262,7 +262,7 @@ def test_the_down_projection_writes_its_inputs_fp8_gradient_in_place(grad_format
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("width", [53, 4096, 14336])
+@pytest.mark.parametrize("width", [53, 4096, 5760, 14336, 20000])
 def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
     from lightning_sloth.kernels import fp8 as kernels
 
