@@ -16,7 +16,7 @@ def test_interpreted_row_scales_equal_the_reference(fmt, col_scale):
     from lightning_sloth.kernels import fp8
 
     gen = torch.Generator().manual_seed(0)
-    for width in (5000, 17000):  # read once; walked twice in chunks (over ONE_PASS_MAX_COLS)
+    for width in (3000, 5000):  # read once; walked twice in chunks (over ONE_PASS_MAX_COLS)
         x = (torch.randn(6, 2 * width, generator=gen) * torch.exp(torch.randn(6, 1, generator=gen)))[:, ::2]
         x[4] = 0.0
         scales = torch.rand(width, generator=gen) + 0.5 if col_scale else None
