@@ -304,35 +304,12 @@ def test_other_experts_implementation_is_a_clear_error():
 def test_trainer_trains_fp8_experts_and_leaves_the_codes_untouched():
     """``SlothPrecision("32-true", base_dtype="fp8")`` through ``Trainer``: the experts and the linear
     layers go to FP8 (the emulation on CPU), the codes never move, the LoRA factors learn."""
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from test_quant_moe import train_recording_experts
 
-    from lightning_sloth import CausalLMModule, LoraSettings, OptimizerSettings, SlothPrecision, SlothStrategy
-    from lightning_sloth.data import PackedDataModule, SyntheticTask, build_char_tokenizer
+    from lightning_sloth import SlothPrecision
 
-    seed_everything(0)
-    tokenizer = build_char_tokenizer()
-    model = tiny_moe("qwen3_moe", experts=4).train()
-    model.resize_token_embeddings(len(tokenizer))
-    data = PackedDataModule(tokenizer, train=SyntheticTask(4, seed=1), max_tokens=128)
-    lora = LoraSettings(r=4, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_LORA)
-    module = CausalLMModule(model, lora=lora, optimizer=OptimizerSettings(lr=3e-2, scheduler="constant"))
-    losses, snapshot = [], {}
-
-    class Record(Callback):
-        def on_train_start(self, trainer, pl_module):
-            for name, experts in _experts_modules(pl_module).items():
-                snapshot[name] = {k: v.clone() for k, v in experts.state_dict().items()}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = Trainer(
-        plugins=[SlothPrecision("32-true", base_dtype="fp8", fp8_experts=True)],
-        strategy=SlothStrategy(kernels=True),
-        max_steps=10, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
-    )  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    precision = SlothPrecision("32-true", base_dtype="fp8", fp8_experts=True)
+    module, snapshot, losses = train_recording_experts(precision)
     experts = _experts_modules(module)
     assert len(snapshot) == 2 and all(has_fp8_experts(m) for m in experts.values())
     for name, state in snapshot.items():

@@ -134,7 +134,9 @@ def test_opcheck_and_nothing_dequantised_is_saved(transposed):
     assert saved and all(t.numel() < storage.numel for t in saved)  # no [E, ., .] float weight
 
 
-def test_trainer_trains_4bit_experts_and_leaves_the_storage_untouched():
+def train_recording_experts(precision: SlothPrecision) -> tuple[CausalLMModule, dict, list[float]]:
+    """Ten steps of a tiny Qwen3-MoE with LoRA on q/v and the experts under ``precision``:
+    ``(module, each experts module's state dict when training starts, the losses)``."""
     seed_everything(0)
     tokenizer = build_char_tokenizer()
     model = tiny_moe("qwen3_moe", experts=4).train()
@@ -153,7 +155,7 @@ def test_trainer_trains_4bit_experts_and_leaves_the_storage_untouched():
             losses.append(float(outputs["loss"]))
 
     trainer = Trainer(
-        plugins=[SlothPrecision("32-true", quantize="nf4")],
+        plugins=[precision],
         strategy=SlothStrategy(kernels=True),
         max_steps=10,
         limit_val_batches=0,
@@ -164,6 +166,11 @@ def test_trainer_trains_4bit_experts_and_leaves_the_storage_untouched():
         callbacks=[Record()],
     )
     trainer.fit(module, datamodule=data)
+    return module, snapshot, losses
+
+
+def test_trainer_trains_4bit_experts_and_leaves_the_storage_untouched():
+    module, snapshot, losses = train_recording_experts(SlothPrecision("32-true", quantize="nf4"))
     experts = _experts_modules(find_hf_model(module))
     assert len(snapshot) == 2 and len(experts) == 2
     for name, state in snapshot.items():

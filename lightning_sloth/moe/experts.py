@@ -70,6 +70,11 @@ def _compute_dtype(hidden_states: Tensor, weight: Tensor) -> torch.dtype:
     return weight.dtype if weight.is_floating_point() else hidden_states.dtype
 
 
+def _factors(lora: LoraFactors | None, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, float]:
+    """``(A, B, scale)`` in ``dtype`` for the grouped LoRA ops, ``(None, None, 0.0)`` without LoRA."""
+    return (None, None, 0.0) if lora is None else (lora.a.to(dtype), lora.b.to(dtype), lora.scale)
+
+
 def _project(
     x: Tensor,
     experts: nn.Module,
@@ -85,23 +90,14 @@ def _project(
     fp8 = expert_fp8_storage(experts, name)
     if fp8 is not None:  # FP8 e4m3 codes with per-channel scales (lightning_sloth.moe.fp8)
         return lora_grouped_mm_fp8(
-            x,
-            fp8,
-            None if lora is None else lora.a.to(dtype),
-            None if lora is None else lora.b.to(dtype),
-            0.0 if lora is None else lora.scale,
-            grouping.ends,
-            bias=bias,
-            expert_ids=grouping.expert_ids,
+            x, fp8, *_factors(lora, dtype), grouping.ends, bias=bias, expert_ids=grouping.expert_ids
         )
     storage = expert_storage(experts, name)
     if storage is not None:  # 4-bit: dequantised into a reusable buffer inside the op
         return lora_grouped_mm_4bit(
             x,
             storage,
-            None if lora is None else lora.a.to(dtype),
-            None if lora is None else lora.b.to(dtype),
-            0.0 if lora is None else lora.scale,
+            *_factors(lora, dtype),
             grouping.ends,
             transposed=transposed,
             bias=bias,
@@ -146,12 +142,7 @@ def _fused_project(
     dtype = x.dtype
     storage = expert_storage(experts, name)
     weight = None if storage is not None else getattr(experts, name).to(dtype)
-    args = (
-        None if lora is None else lora.a.to(dtype),
-        None if lora is None else lora.b.to(dtype),
-        0.0 if lora is None else lora.scale,
-        grouping.ends,
-    )
+    args = (*_factors(lora, dtype), grouping.ends)
     kwargs = dict(
         storage=storage,
         transposed=transposed,

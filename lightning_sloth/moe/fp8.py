@@ -26,13 +26,14 @@ GPU path's oracle. Saved for the backward: the input (for dA), ``x A^T``, the co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.moe.gemm import _lora_flops, _mm, _mm_into, _weight_grad, add_bias_and_lora
-from lightning_sloth.moe.layouts import EXPERTS_NAME, layout_of
+from lightning_sloth.moe.gemm import _lora_flops, _mm, _mm_into, _weight_grad, add_bias_and_lora, bias_grad
+from lightning_sloth.moe.layouts import layout_of, require_sloth_experts
 from lightning_sloth.ops import fp8 as fp8_ops
 from lightning_sloth.ops.fp8_formats import (
     FP8_DTYPES,
@@ -160,7 +161,7 @@ def quantize_experts_fp8(
         done.append(name)
     if record and _HOOKS not in experts.__dict__:
         experts.__dict__[_HOOKS] = (
-            experts.register_forward_pre_hook(_require_sloth_experts),
+            experts.register_forward_pre_hook(functools.partial(require_sloth_experts, "FP8")),
             experts.register_load_state_dict_post_hook(_refresh_transposed),
         )
     return done
@@ -186,17 +187,6 @@ def dequantize_experts_fp8(experts: nn.Module, dtype: torch.dtype = torch.float3
         for handle in experts.__dict__.pop(_HOOKS, ()):
             handle.remove()
     return done
-
-
-def _require_sloth_experts(experts: nn.Module, args) -> None:
-    """Only the "sloth" experts read FP8 storage: any other implementation would see uint8 codes."""
-    selected = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if selected != EXPERTS_NAME:
-        raise RuntimeError(
-            f"{type(experts).__name__} stores its expert weights in FP8, which only the {EXPERTS_NAME!r} "
-            f"experts implementation reads, but {selected!r} is selected: train with SlothStrategy(moe=True) "
-            "(the default) or call lightning_sloth.patching.apply_experts(model)"
-        )
 
 
 @torch.no_grad()
@@ -247,7 +237,7 @@ def _input_grad(
         return _mm(grad, _dequantized_t(codes_t, scale, grad.dtype), ends, w_is_kn=False)
     if grad_format == "e4m3" and _grouped_fp8_applies(grad, n, k) and use_triton(grad):
         qg, sg = _kernels.quantize_rows(grad, _E4M3, scale, expert_ids)
-        ones = torch.ones(e, k, dtype=torch.float32, device=grad.device)
+        ones = fp8_ops._unit_scales(k, grad.device, rows=e)
         return torch._scaled_grouped_mm(
             qg, codes_t.view(_E4M3).transpose(-2, -1), sg.view(-1), ones, offs=ends,
             out_dtype=grad.dtype, use_fast_accum=fp8_ops.FAST_ACCUM,
@@ -367,11 +357,7 @@ def _backward(ctx, grad, _grad_xa):
         grad, x if x is not None else grad.new_empty(0), xa, codes_t, scale, lora_a, lora_b, ctx.lora_scale, ends,
         expert_ids, ctx.grad_format, need[0], need[5], need[6],
     )  # fmt: skip
-    dbias = None
-    if need[4]:
-        compute = torch.promote_types(grad.dtype, torch.float32)
-        dbias = grad.new_zeros(ctx.bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
-        dbias = dbias.to(grad.dtype)
+    dbias = bias_grad(grad, expert_ids, ctx.bias_shape) if need[4] else None
     return (
         dx if need[0] else None, None, None, None, dbias,
         da if need[5] else None, db if need[6] else None, None, None, None, None,

@@ -31,7 +31,14 @@ from lightning_sloth.ops.registry import (
 if TRITON_OPS:
     from lightning_sloth.kernels import moe as _kernels
 
-__all__ = ["add_bias_and_lora", "grouped_mm", "grouped_mm_reference", "lora_grouped_mm", "lora_rows"]
+__all__ = [
+    "add_bias_and_lora",
+    "bias_grad",
+    "grouped_mm",
+    "grouped_mm_reference",
+    "lora_grouped_mm",
+    "lora_rows",
+]
 
 
 def grouped_mm_reference(x: Tensor, weight: Tensor, ends: Tensor, transposed: bool) -> Tensor:
@@ -138,6 +145,14 @@ def _grouped_mm_backward_fake(grad, x, weight, ends, transposed, need_x, need_w)
     return dx, (weight.new_empty(weight.shape) if need_w else grad.new_empty(0))
 
 
+def bias_grad(grad: Tensor, expert_ids: Tensor, bias_shape: tuple[int, ...]) -> Tensor:
+    """The ``[E, N]`` gradient of a per-expert bias: each row's gradient summed into its expert's
+    row in float32 (at least), rounded once to grad's dtype."""
+    compute = torch.promote_types(grad.dtype, torch.float32)
+    out = grad.new_zeros(bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
+    return out.to(grad.dtype)
+
+
 def _grouped_mm_setup(ctx, inputs, output):
     x, weight, bias, ends, expert_ids, transposed = inputs
     # The input is kept only for the weight's gradient: a frozen expert weight saves nothing.
@@ -163,9 +178,7 @@ def _grouped_mm_backward(ctx, grad):
             need_w,
         )
     if need_b:
-        compute = torch.promote_types(grad.dtype, torch.float32)
-        db = grad.new_zeros(ctx.bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
-        db = db.to(grad.dtype)
+        db = bias_grad(grad, expert_ids, ctx.bias_shape)
     return (dx if need_x else None), (dw if need_w else None), db, None, None, None
 
 
@@ -354,11 +367,7 @@ def _lora_grouped_mm_backward(ctx, grad, _grad_xa):
         _lora_grouped_mm_backward_op,
         grad, x, xa, weight, lora_a, lora_b, ctx.scale, ends, ctx.transposed, need_x, need_w, need_a, need_b,
     )  # fmt: skip
-    dbias = None
-    if need_bias:
-        compute = torch.promote_types(grad.dtype, torch.float32)
-        dbias = grad.new_zeros(ctx.bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
-        dbias = dbias.to(grad.dtype)
+    dbias = bias_grad(grad, expert_ids, ctx.bias_shape) if need_bias else None
     return (
         dx if need_x else None,
         dw if need_w else None,

@@ -36,6 +36,7 @@ __all__ = [
     "ExpertLayout",
     "experts_model_type",
     "layout_of",
+    "require_sloth_experts",
 ]
 
 EXPERTS_NAME = "sloth"
@@ -121,3 +122,16 @@ def layout_of(experts: nn.Module) -> ExpertLayout:
             f"{model_type} row expects {expected}: this transformers version stores the experts differently"
         )
     return layout
+
+
+def require_sloth_experts(storage: str, experts: nn.Module, args) -> None:
+    """Forward pre-hook of an experts module whose weights are stored as ``storage`` (``"4 bits"``,
+    ``"FP8"``; bound with ``functools.partial``): only the "sloth" experts read such storage, any
+    other implementation would see ``uint8`` codes."""
+    selected = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if selected != EXPERTS_NAME:
+        raise RuntimeError(
+            f"{type(experts).__name__} stores its expert weights in {storage}, which only the {EXPERTS_NAME!r} "
+            f"experts implementation reads, but {selected!r} is selected: train with SlothStrategy(moe=True) "
+            "(the default) or call lightning_sloth.patching.apply_experts(model)"
+        )

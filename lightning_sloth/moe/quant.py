@@ -18,6 +18,7 @@ Saved for the backward: the input, ``x A^T`` and the 4-bit storage, never a dequ
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -30,8 +31,9 @@ from lightning_sloth.moe.gemm import (
     _lora_flops,
     _lora_grouped_mm_backward_op,
     _lora_grouped_mm_op,
+    bias_grad,
 )
-from lightning_sloth.moe.layouts import EXPERTS_NAME
+from lightning_sloth.moe.layouts import require_sloth_experts
 from lightning_sloth.ops.nf4 import _check_storage, _scratch, dequantize_4bit_into
 from lightning_sloth.ops.nf4_formats import (
     Packed4bit,
@@ -100,7 +102,9 @@ def quantize_experts(
         del weight, param
         done.append(name)
     if done and _HOOK not in experts.__dict__:
-        experts.__dict__[_HOOK] = experts.register_forward_pre_hook(_require_sloth_experts)
+        experts.__dict__[_HOOK] = experts.register_forward_pre_hook(
+            functools.partial(require_sloth_experts, "4 bits")
+        )
     return done
 
 
@@ -160,17 +164,6 @@ def model_expert_formats(model: nn.Module) -> dict[str, str]:
         for name, module in model.named_modules()
         for weight, storage in module.__dict__.get(_RECORD, {}).items()
     }
-
-
-def _require_sloth_experts(experts: nn.Module, args) -> None:
-    """Only the "sloth" experts read 4-bit storage: any other implementation would see uint8 codes."""
-    selected = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if selected != EXPERTS_NAME:
-        raise RuntimeError(
-            f"{type(experts).__name__} stores its expert weights in 4 bits, which only the {EXPERTS_NAME!r} "
-            f"experts implementation reads, but {selected!r} is selected: train with SlothStrategy(moe=True) "
-            "(the default) or call lightning_sloth.patching.apply_experts(model)"
-        )
 
 
 def expert_storage(experts: nn.Module, name: str) -> Packed4bit | None:
@@ -332,11 +325,7 @@ def _backward(ctx, grad, _grad_xa):
         grad, x if x is not None else grad.new_empty(0), xa, packed, absmax, code, ctx.blocksize, ctx.shape, lora_a, lora_b, ctx.scale, ends,
         ctx.transposed, need[0], need[7], need[8],
     )  # fmt: skip
-    dbias = None
-    if need[6]:
-        compute = torch.promote_types(grad.dtype, torch.float32)
-        dbias = grad.new_zeros(ctx.bias_shape, dtype=compute).index_add_(0, expert_ids, grad.to(compute))
-        dbias = dbias.to(grad.dtype)
+    dbias = bias_grad(grad, expert_ids, ctx.bias_shape) if need[6] else None
     return (
         dx if need[0] else None, None, None, None, None, None, dbias,
         da if need[7] else None, db if need[8] else None, None, None, None, None,

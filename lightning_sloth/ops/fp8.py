@@ -119,20 +119,20 @@ def scaled_mm_applies(x: Tensor, n: int) -> bool:
     )
 
 
-def _unit_scales(k, device: torch.device) -> Tensor:
-    """``[1, k]`` float32 ones: the input gradient's scales for W's side (W's own are folded into
-    dy), made once per width and device rather than on every backward call. While tracing
-    (``torch.compile`` decomposes the op and runs its body on fake tensors; opcheck, ``make_fx``) a
-    fresh tensor: a cached real tensor must not enter a fake trace, nor a fake one the cache (a
-    symbolic width, from dynamic shapes, has no hash either)."""
-    if isinstance(k, int) and not tracing():
-        return _cached_unit_scales(k, device)
-    return torch.ones(1, k, dtype=torch.float32, device=device)
+def _unit_scales(k, device: torch.device, rows=1) -> Tensor:
+    """``[rows, k]`` float32 ones: the input gradient's scales for W's side (W's own are folded into
+    dy; ``rows``: one row per expert of a grouped weight), made once per shape and device rather
+    than on every backward call. While tracing (``torch.compile`` decomposes the op and runs its body
+    on fake tensors; opcheck, ``make_fx``) a fresh tensor: a cached real tensor must not enter a fake
+    trace, nor a fake one the cache (a symbolic size, from dynamic shapes, has no hash either)."""
+    if isinstance(k, int) and isinstance(rows, int) and not tracing():
+        return _cached_unit_scales(k, device, rows)
+    return torch.ones(rows, k, dtype=torch.float32, device=device)
 
 
 @functools.cache
-def _cached_unit_scales(k: int, device: torch.device) -> Tensor:
-    return torch.ones(1, k, dtype=torch.float32, device=device)
+def _cached_unit_scales(k: int, device: torch.device, rows: int = 1) -> Tensor:
+    return torch.ones(rows, k, dtype=torch.float32, device=device)
 
 
 def quantize_activation(t: Tensor, fmt: str, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -43,7 +43,7 @@ from lightning_sloth.plugins.local_shards import (
     stepping_local_shards,
     steps_on_local_shards,
 )
-from lightning_sloth.quant.fp8 import FP8_SKIP, float8_training, fp8_base_model, fp8_compute_4bit
+from lightning_sloth.quant.fp8 import FP8_SKIP, LinearFP8, float8_training, fp8_base_model, fp8_compute_4bit
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class SlothPrecision(Precision):
             experts = sum(has_fp8_experts(m) for m in module.modules())
             log.info(
                 "SlothPrecision: base weights in FP8 e4m3: %d linear layers, %d MoE experts modules%s",
-                sum(callable(getattr(m, "fp8_weight", None)) for m in module.modules()),
+                sum(isinstance(m, LinearFP8) for m in module.modules()),
                 experts,
                 " (their token permutation in separate passes)" if experts else "",
             )

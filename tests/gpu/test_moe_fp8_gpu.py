@@ -9,12 +9,10 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_moe_fp8_gpu.py`` (under a
 
 import pytest
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from transformers import GptOssConfig, Qwen3MoeConfig
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from _moe_blocks import assert_no_host_sync_in_a_training_step, block_step, lora_block
+from transformers import Qwen3MoeConfig
 
-from lightning_sloth.moe import group_by_expert, install_lora_experts, register
+from lightning_sloth.moe import group_by_expert
 from lightning_sloth.moe.fp8 import FP8Experts, has_fp8_experts, lora_grouped_mm_fp8, quantize_experts_fp8
 from lightning_sloth.moe.fused import fused_permutation_setting, set_fused_permutation
 from lightning_sloth.ops.fp8_formats import quantize_rows
@@ -83,63 +81,20 @@ def test_fp8_grouped_gemms_match_the_emulation(grad_format):
     assert all(torch.equal(p, q) for p, q in zip(again, got, strict=True))  # deterministic
 
 
-def _block(family, hidden=256, inter=192, experts=16, top_k=4):
-    common = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=top_k)
-    torch.manual_seed(0)
-    if family == "qwen3_moe":
-        block = Qwen3MoeSparseMoeBlock(
-            Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=inter, norm_topk_prob=True)
-        )
-    else:
-        block = GptOssMLP(GptOssConfig(**common, num_local_experts=experts, intermediate_size=inter))
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.05)
-    for p in block.parameters():
-        p.requires_grad_(False)
-    config = LoraConfig(
-        r=16,
-        lora_alpha=32,
-        target_modules=[],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )
-    block = inject_adapter_in_model(config, block)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    register()
-    block = block.to("cuda", torch.bfloat16)
-    block.experts.get_base_layer().config._experts_implementation = "sloth"
-    install_lora_experts(block)
-    return block
-
-
-def _step(block, x, grad):
-    x = x.detach().clone().requires_grad_()
-    out = block(x)
-    out = out[0] if isinstance(out, tuple) else out
-    out.backward(grad)
-    grads = {n: p.grad.detach().clone() for n, p in block.named_parameters() if p.grad is not None}
-    for p in block.parameters():
-        p.grad = None
-    return [out.detach(), x.grad, *grads.values()], list(grads)
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_block_with_fp8_experts_follows_its_bf16_experts(family):
     """The block with its experts in FP8 against the same block in bf16: the output and every
     gradient within FP8's rounding, with the fused switch on (FP8 experts take the separate passes)."""
-    block = _block(family)
+    block = lora_block(family)
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, 1000, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     grad = torch.randn(1, 1000, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     saved = fused_permutation_setting()
     try:
         set_fused_permutation(True)
-        reference, names = _step(block, x, grad)
+        reference, names = block_step(block, x, grad)
         assert quantize_experts_fp8(block.experts.get_base_layer()) == ["gate_up_proj", "down_proj"]
-        ours, names_fp8 = _step(block, x, grad)
+        ours, names_fp8 = block_step(block, x, grad)
     finally:
         set_fused_permutation(saved)
     assert names_fp8 == names and sum("lora" in n for n in names) == 4
@@ -148,24 +103,10 @@ def test_moe_block_with_fp8_experts_follows_its_bf16_experts(family):
 
 
 def test_no_host_sync_in_a_training_step():
-    block = _block("qwen3_moe")
+    block = lora_block("qwen3_moe")
     quantize_experts_fp8(block.experts.get_base_layer())
-    params = [p for p in block.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, capturable=True, foreach=True)
     x = torch.randn(1, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(2):
-        block(x).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        block(x).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync_in_a_training_step(block, x)
 
 
 def test_precision_fp8_on_a_moe_model_puts_the_experts_in_fp8_and_trains():

@@ -10,12 +10,9 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_moe_fused_gpu.py`` (under
 
 import pytest
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from transformers import GptOssConfig, Qwen3MoeConfig
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from _moe_blocks import assert_no_host_sync_in_a_training_step, block_step, lora_block
 
-from lightning_sloth.moe import group_by_expert, install_lora_experts, moe_combine, moe_gather, register
+from lightning_sloth.moe import group_by_expert, moe_combine, moe_gather
 from lightning_sloth.moe.fused import (
     fused_permutation_setting,
     gather_lora_grouped_mm,
@@ -140,63 +137,20 @@ def test_opcheck_triton_op_path():
     )
 
 
-def _block(family, hidden=256, inter=192, experts=16, top_k=4):
-    common = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=top_k)
-    torch.manual_seed(0)
-    if family == "qwen3_moe":
-        block = Qwen3MoeSparseMoeBlock(
-            Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=inter, norm_topk_prob=True)
-        )
-    else:
-        block = GptOssMLP(GptOssConfig(**common, num_local_experts=experts, intermediate_size=inter))
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.05)
-    for p in block.parameters():
-        p.requires_grad_(False)
-    config = LoraConfig(
-        r=16,
-        lora_alpha=32,
-        target_modules=[],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )
-    block = inject_adapter_in_model(config, block)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    register()
-    block = block.to("cuda", torch.bfloat16)
-    block.experts.get_base_layer().config._experts_implementation = "sloth"
-    install_lora_experts(block)
-    return block
-
-
-def _step(block, x, grad):
-    x = x.detach().clone().requires_grad_()
-    out = block(x)
-    out = out[0] if isinstance(out, tuple) else out
-    out.backward(grad)
-    grads = {n: p.grad.detach().clone() for n, p in block.named_parameters() if p.grad is not None}
-    for p in block.parameters():
-        p.grad = None
-    return [out.detach(), x.grad, *grads.values()], list(grads)
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("nf4", [False, True])
 def test_moe_block_with_expert_lora_equals_the_current_path(family, nf4, switch, ordered):
-    block = _block(family)
+    block = lora_block(family)
     if nf4:
         quantize_experts(block.experts.get_base_layer(), "nf4")
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, 1000, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     grad = torch.randn(1, 1000, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     switch(False)
-    reference, names = _step(block, x, grad)
+    reference, names = block_step(block, x, grad)
     switch(True)
-    ours, names_fused = _step(block, x, grad)
-    again, _ = _step(block, x, grad)
+    ours, names_fused = block_step(block, x, grad)
+    again, _ = block_step(block, x, grad)
     assert names_fused == names and any("lora" in n for n in names)
     for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
         assert _rel(got, want) < 1e-2, ([None, "x", *names][i], _rel(got, want))
@@ -205,23 +159,8 @@ def test_moe_block_with_expert_lora_equals_the_current_path(family, nf4, switch,
 
 def test_no_host_sync_in_a_training_step(switch, ordered):
     switch(True)
-    block = _block("qwen3_moe")
-    params = [p for p in block.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, capturable=True, foreach=True)
     x = torch.randn(1, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(2):
-        block(x).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        block(x).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync_in_a_training_step(lora_block("qwen3_moe"), x)
 
 
 def test_the_default_is_the_fused_path_on_cuda_and_a_model_can_keep_the_separate_passes(switch):
@@ -238,7 +177,7 @@ def test_the_default_is_the_fused_path_on_cuda_and_a_model_can_keep_the_separate
             return func(*args, **(kwargs or {}))
 
     switch(None)
-    block = _block("qwen3_moe")
+    block = lora_block("qwen3_moe")
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(1, 600, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     grad = torch.randn(1, 600, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -252,7 +191,7 @@ def test_the_default_is_the_fused_path_on_cuda_and_a_model_can_keep_the_separate
         mode = OpNames()
         mode.names = []
         with mode:
-            runs[choice] = _step(block, x, grad)[0]
+            runs[choice] = block_step(block, x, grad)[0]
         fused_ops = [n for n in mode.names if "moe_gather_lora_grouped_mm" in n]
         assert bool(fused_ops) == (choice is None), (choice, sorted(set(mode.names))[:20])
     for got, want in zip(runs[None], runs[False], strict=True):

@@ -7,6 +7,7 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_moe_gpu.py``.
 
 import pytest
 import torch
+from _moe_blocks import assert_no_host_sync_in_a_training_step
 from peft import LoraConfig, inject_adapter_in_model
 from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
@@ -137,19 +138,5 @@ def test_no_host_sync_in_a_training_step_with_lora_on_experts():
     block = block.to("cuda", torch.bfloat16)
     block.experts.get_base_layer().config._experts_implementation = "sloth"
     assert install_lora_experts(block) == ["experts"]
-    params = [p for p in block.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, capturable=True, foreach=True)
     x = torch.randn(1, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(2):  # warm up (kernel compilation, allocator)
-        block(x).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        block(x).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync_in_a_training_step(block, x)
