@@ -22,10 +22,13 @@ here reads a count on the host.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
+from lightning_sloth.kernels.tracing import tracing
 
 _ROW_BLOCK = 1024
 
@@ -326,8 +329,10 @@ def _grouped_mm_kernel(
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
 
 
-def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per M tile: its expert (-1 past the last tile) and first row, from device ops only."""
+def _tile_table_reference(
+    ends: torch.Tensor, block_m: int, max_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tile_table` in torch ops (a dozen launches; the oracle of the kernel)."""
     ends64 = ends.to(torch.int64)
     starts = torch.cat((ends64.new_zeros(1), ends64[:-1]))
     tiles = (ends64 - starts + block_m - 1) // block_m
@@ -339,6 +344,74 @@ def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch
     first_tile = tile_ends[expert] - tiles[expert]
     rows = starts[expert] + (ids - first_tile) * block_m
     return torch.where(valid, expert, -1).to(torch.int32), rows.to(torch.int32)
+
+
+@triton.jit
+def _tile_table_kernel(
+    ENDS, EXPERT, ROW, n_experts, max_tiles, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < n_experts
+    ends = tl.load(ENDS + e, mask=e_mask, other=0)
+    starts = tl.load(ENDS + e - 1, mask=e_mask & (e > 0), other=0)
+    tiles = tl.where(e_mask, (ends - starts + BM - 1) // BM, 0)
+    tile_ends = tl.cumsum(tiles, 0)
+    first_tiles = tile_ends - tiles
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tiles
+    passed = (tile_ends[None, :] <= t[:, None]) & e_mask[None, :]
+    expert = tl.sum(passed.to(tl.int32), 1)  # searchsorted(tile_ends, t, right=True)
+    clamped = tl.minimum(expert, n_experts - 1)
+    pick = e[None, :] == clamped[:, None]
+    first = tl.sum(tl.where(pick, first_tiles[None, :], 0), 1)
+    start = tl.sum(tl.where(pick, starts[None, :], 0), 1)
+    t_mask = t < max_tiles
+    tl.store(EXPERT + t, tl.where(expert < n_experts, expert, -1), mask=t_mask)
+    tl.store(ROW + t, start + (t - first) * BM, mask=t_mask)
+
+
+_TILE_TABLE_CELLS = 8192
+"""Most comparisons in one program of the tile table kernel (``BLOCK_T`` tiles against ``BLOCK_E``
+experts); each program recomputes the per-expert tile counts and takes ``BLOCK_T`` tiles."""
+
+
+_TILE_TABLES: dict[tuple[int, int, int], tuple] = {}
+"""``(id(ends), block_m, max_tiles) -> (weakref to ends, ends._version, expert, row)``: the tables of the
+last few groupings, so the four expert GEMMs of a layer call (two forward, two backward) build theirs once."""
+_TILE_TABLES_KEPT = 8
+
+
+def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per M tile: its expert (-1 past the last tile) and first row (int32), from the int32
+    cumulative row ends on the device: one kernel launch (the same table as
+    :func:`_tile_table_reference`'s dozen torch ops, which serve int64 ends and very many experts).
+
+    The table of the same ``ends`` tensor (same object, unmodified) and tiling is reused: a layer's
+    grouping feeds its forward and backward GEMMs. Nothing is cached while tracing."""
+    if tracing():
+        return _build_tile_table(ends, block_m, max_tiles)
+    key = (id(ends), block_m, max_tiles)
+    entry = _TILE_TABLES.get(key)
+    if entry is not None and entry[0]() is ends and entry[1] == ends._version:
+        return entry[2], entry[3]
+    expert, row = _build_tile_table(ends, block_m, max_tiles)
+    if len(_TILE_TABLES) >= _TILE_TABLES_KEPT:
+        _TILE_TABLES.pop(next(iter(_TILE_TABLES)), None)
+    _TILE_TABLES[key] = (weakref.ref(ends), ends._version, expert, row)
+    return expert, row
+
+
+def _build_tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    experts = ends.shape[0]
+    block_e = max(16, triton.next_power_of_2(experts))
+    if ends.dtype != torch.int32 or block_e > _TILE_TABLE_CELLS // 16 or not ends.is_contiguous():
+        return _tile_table_reference(ends, block_m, max_tiles)
+    expert = torch.empty(max_tiles, dtype=torch.int32, device=ends.device)
+    row = torch.empty(max_tiles, dtype=torch.int32, device=ends.device)
+    block_t = min(128, _TILE_TABLE_CELLS // block_e)
+    launchable(_tile_table_kernel)[(triton.cdiv(max_tiles, block_t),)](
+        ends, expert, row, experts, max_tiles, BM=block_m, BLOCK_E=block_e, BLOCK_T=block_t
+    )
+    return expert, row
 
 
 def grouped_mm(

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from lightning_sloth.moe import COUNTS_ATTR, experts_forward, group_by_expert, register
+from lightning_sloth.moe import ENDS_ATTR, counts_from_ends, experts_forward, group_by_expert, register
 from lightning_sloth.moe.routing import ROUTERS
 from lightning_sloth.patching import apply_experts, apply_kernels, moe_families
 from lightning_sloth.plugins import ExpertLoadMonitor
@@ -169,7 +169,7 @@ def test_edge_cases_match_eager_in_float64(family, case):
         index, experts = torch.tensor([[1, 2], [3, 4], [2, 1], [4, 3]]), 6
     module, x, weights = _experts_case(family, index, experts=experts)
     _compare_experts(module, x, index, weights)
-    counts = getattr(module, COUNTS_ATTR)
+    counts = counts_from_ends(getattr(module, ENDS_ATTR))
     assert counts.tolist() == torch.bincount(index.reshape(-1), minlength=experts).tolist()
 
 

@@ -240,6 +240,41 @@ def test_kernels_interpreted_grouped_mm(dtype, w_is_kn):
 
 
 @interpreted_only
+@pytest.mark.parametrize("experts", [1, 5, 16, 40, 512])
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_kernels_interpreted_tile_table_equals_the_torch_ops(experts, block_m):
+    from lightning_sloth.kernels import moe as kernels
+
+    gen = torch.Generator().manual_seed(experts * block_m)
+    counts = torch.randint(0, 3 * block_m, (experts,), generator=gen)
+    counts[torch.randperm(experts, generator=gen)[: experts // 3]] = 0  # experts without rows
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    for max_tiles in (int(ends[-1]) // block_m + experts, 3, 1000):
+        expert, row = kernels._tile_table(ends, block_m, max_tiles)
+        ref_expert, ref_row = kernels._tile_table_reference(ends, block_m, max_tiles)
+        assert expert.dtype == row.dtype == torch.int32
+        assert torch.equal(expert, ref_expert) and torch.equal(row, ref_row)
+    # every row is in exactly one valid tile, of its expert
+    expert, row = kernels._tile_table(ends, block_m, int(ends[-1]) // block_m + experts)
+    owner = torch.repeat_interleave(torch.arange(experts), counts)
+    covered = torch.zeros(int(ends[-1]), dtype=torch.int64)
+    for e, r in zip(expert.tolist(), row.tolist()):
+        if e >= 0:
+            stop = min(r + block_m, int(ends[e]))
+            assert (owner[r:stop] == e).all()
+            covered[r:stop] += 1
+    assert (covered == 1).all()
+    # the same ends tensor gives the same table again; one changed in place gets a new one
+    again = kernels._tile_table(ends, block_m, 1000)
+    assert again[0] is kernels._tile_table(ends, block_m, 1000)[0]
+    if experts > 1:
+        ends[0] = 0
+        ends[1:] = ends[-1]
+        fresh = kernels._tile_table(ends, block_m, 1000)
+        assert all(torch.equal(a, b) for a, b in zip(fresh, kernels._tile_table_reference(ends, block_m, 1000)))
+
+
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernels_interpreted_gather_combine_bias_activation(dtype):
     from lightning_sloth.kernels import moe as kernels

@@ -7,7 +7,7 @@ busy time and its idle gaps (longest first, with the kernels either side), the h
 (from the start of the step until ``backward`` returns, before the synchronization) and, with
 ``cProfile``, the Python functions with the most own time::
 
-    python benchmarks/probes/moe_block_gaps.py --out gaps.json [--systems grouped_mm,sloth,sloth_fused]
+    python benchmarks/probes/moe_block_gaps.py --out gaps.json [--systems grouped_mm,sloth,sloth_fused] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gaps", type=int, default=12)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--trace", default=None, help="a folder for a Chrome trace (host and device) of one step"
+    )
     args = parser.parse_args(argv)
 
     report = {"environment": environment(), "tokens": args.tokens, "results": []}
@@ -83,6 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
                 step()
                 wall_us = (time.perf_counter() - begin) * 1e6
             gaps = host_profile.gpu_gaps(prof.events(), wall_us, args.gaps)
+            if args.trace:
+                os.makedirs(args.trace, exist_ok=True)
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities) as traced:
+                    step()
+                traced.export_chrome_trace(os.path.join(args.trace, f"{shape}_{system}.json"))
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(3):

@@ -28,7 +28,7 @@ transformers' experts); by hand::
 
 from lightning_sloth.moe.experts import LoraFactors, experts_forward, register
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
-from lightning_sloth.moe.layouts import COUNTS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
+from lightning_sloth.moe.layouts import ENDS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
 from lightning_sloth.moe.peft import (
     expert_lora_factors,
@@ -36,10 +36,10 @@ from lightning_sloth.moe.peft import (
     install_lora_experts,
     uninstall_lora_experts,
 )
-from lightning_sloth.moe.routing import ROUTERS, Grouping, group_by_expert
+from lightning_sloth.moe.routing import ROUTERS, Grouping, counts_from_ends, group_by_expert
 
 __all__ = [
-    "COUNTS_ATTR",
+    "ENDS_ATTR",
     "EXPERTS_NAME",
     "LAYOUTS",
     "ROUTERS",
@@ -50,6 +50,7 @@ __all__ = [
     "expert_lora_factors",
     "experts_and_lora",
     "experts_forward",
+    "counts_from_ends",
     "group_by_expert",
     "grouped_mm",
     "install_lora_experts",

@@ -29,7 +29,7 @@ from lightning_sloth.moe.fused import (
     lora_grouped_mm_combine,
 )
 from lightning_sloth.moe.gemm import grouped_mm, lora_grouped_mm
-from lightning_sloth.moe.layouts import COUNTS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
+from lightning_sloth.moe.layouts import ENDS_ATTR, EXPERTS_NAME, LAYOUTS, ExpertLayout, layout_of
 from lightning_sloth.moe.ops import clamped_swiglu, moe_combine, moe_gather, moe_sum, weighted_swiglu
 from lightning_sloth.moe.quant import expert_storage, lora_grouped_mm_4bit
 from lightning_sloth.moe.routing import group_by_expert
@@ -202,7 +202,7 @@ def experts_forward(
     lora = lora or {}
     dtype = _compute_dtype(hidden_states, experts.gate_up_proj)
     grouping = group_by_expert(top_k_index, num_experts)
-    setattr(experts, COUNTS_ATTR, grouping.counts)
+    setattr(experts, ENDS_ATTR, grouping.ends)
 
     # Intermediates are not kept in locals longer than needed: autograd keeps what the backward
     # needs, and a local would hold e.g. the [S, H] gathered rows through the whole layer.

@@ -30,7 +30,7 @@ from torch import nn
 
 __all__ = [
     "CONFIGLESS_EXPERTS",
-    "COUNTS_ATTR",
+    "ENDS_ATTR",
     "EXPERTS_NAME",
     "LAYOUTS",
     "ExpertLayout",
@@ -42,9 +42,9 @@ __all__ = [
 EXPERTS_NAME = "sloth"
 """The name in transformers' ``ExpertsInterface``."""
 
-COUNTS_ATTR = "_sloth_expert_counts"
-"""Attribute on each experts module holding the last forward's int32 ``[E]`` rows per expert
-(a device tensor, read by the expert-load callback)."""
+ENDS_ATTR = "_sloth_expert_ends"
+"""Attribute on each experts module holding the last forward's int32 ``[E]`` cumulative row ends per
+expert (a device tensor; the expert-load callback takes the rows per expert from it)."""
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,13 @@ a count: a training step stays free of device-to-host syncs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 __all__ = [
     "ROUTERS",
     "Grouping",
+    "counts_from_ends",
     "group_by_expert",
     "inverse_permutation",
     "route_sigmoid_group_topk",
@@ -49,8 +48,11 @@ __all__ = [
 ]
 
 
-class Grouping(NamedTuple):
+class Grouping:
     """Rows ``S = T * k`` (slot ``t * k + j`` is token t's j-th choice) in expert order.
+
+    ``inv`` and ``counts`` are made on first use (the fused permutation needs neither, and each is a
+    few kernel launches on the host's critical path before the first expert GEMM).
 
     Attributes:
         perm: int64 ``[S]`` sorted position -> slot (stable: a token's slots keep their order).
@@ -60,11 +62,22 @@ class Grouping(NamedTuple):
         counts: int32 ``[E]`` rows per expert (zero for an expert no token chose).
     """
 
-    perm: Tensor
-    inv: Tensor
-    expert_ids: Tensor
-    ends: Tensor
-    counts: Tensor
+    def __init__(self, perm: Tensor, expert_ids: Tensor, ends: Tensor) -> None:
+        self.perm, self.expert_ids, self.ends = perm, expert_ids, ends
+        self._inv: Tensor | None = None
+        self._counts: Tensor | None = None
+
+    @property
+    def inv(self) -> Tensor:
+        if self._inv is None:
+            self._inv = inverse_permutation(self.perm)
+        return self._inv
+
+    @property
+    def counts(self) -> Tensor:
+        if self._counts is None:
+            self._counts = counts_from_ends(self.ends)
+        return self._counts
 
 
 def group_by_expert(top_k_index: Tensor, num_experts: int) -> Grouping:
@@ -81,8 +94,12 @@ def group_by_expert(top_k_index: Tensor, num_experts: int) -> Grouping:
     expert_ids, perm = torch.sort(flat, stable=True)
     experts = torch.arange(num_experts, device=flat.device, dtype=expert_ids.dtype)
     ends = torch.searchsorted(expert_ids, experts, right=True, out_int32=True)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return Grouping(perm, inverse_permutation(perm), expert_ids.to(torch.int64), ends, counts)
+    return Grouping(perm, expert_ids.to(torch.int64), ends)
+
+
+def counts_from_ends(ends: Tensor) -> Tensor:
+    """Rows per expert from the cumulative row ends (same dtype)."""
+    return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 def inverse_permutation(perm: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.moe import COUNTS_ATTR
+from lightning_sloth.moe import ENDS_ATTR, counts_from_ends
 from lightning_sloth.offload import ActivationOffloader
 from lightning_sloth.plugins.local_shards import sharded_grad_norm
 from lightning_sloth.plugins.sharding import full_state_dict
@@ -406,7 +406,7 @@ class SaveAdapter(Callback):
 class ExpertLoadMonitor(Callback):
     """Logs how evenly each MoE layer's router spreads tokens over its experts.
 
-    Reads the per-expert row counts that the "sloth" experts (``lightning_sloth.moe``) leave on each
+    Reads the per-expert row ends that the "sloth" experts (``lightning_sloth.moe``) leave on each
     experts module at every forward (a device tensor; nothing is read back except when logging).
     Every ``every_n_steps`` training steps it logs, per MoE layer ``i``, the scalar
     ``moe/load_max_over_mean/layer_i`` (1.0 is perfectly balanced; ``E / k`` means all tokens went to
@@ -426,7 +426,9 @@ class ExpertLoadMonitor(Callback):
     @staticmethod
     def expert_counts(module: torch.nn.Module) -> list[torch.Tensor]:
         """The last forward's rows per expert of every MoE layer under ``module``, in layer order."""
-        return [c for m in module.modules() if (c := getattr(m, COUNTS_ATTR, None)) is not None]
+        return [
+            counts_from_ends(e) for m in module.modules() if (e := getattr(m, ENDS_ATTR, None)) is not None
+        ]
 
     @staticmethod
     def load_ratios(counts: list[torch.Tensor]) -> torch.Tensor:
