@@ -271,7 +271,9 @@ def test_kernels_interpreted_tile_table_equals_the_torch_ops(experts, block_m):
         ends[0] = 0
         ends[1:] = ends[-1]
         fresh = kernels._tile_table(ends, block_m, 1000)
-        assert all(torch.equal(a, b) for a, b in zip(fresh, kernels._tile_table_reference(ends, block_m, 1000)))
+        assert all(
+            torch.equal(a, b) for a, b in zip(fresh, kernels._tile_table_reference(ends, block_m, 1000))
+        )
 
 
 @interpreted_only
