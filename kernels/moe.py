@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
-from lightning_sloth.kernels.tracing import tracing
+from lightning_sloth.kernels.tracing import tensor_version, tracing
 
 _ROW_BLOCK = 1024
 
@@ -375,7 +375,7 @@ experts); each program recomputes the per-expert tile counts and takes ``BLOCK_T
 
 
 _TILE_TABLES: dict[tuple[int, int, int], tuple] = {}
-"""``(id(ends), block_m, max_tiles) -> (weakref to ends, ends._version, expert, row)``: the tables of the
+"""``(id(ends), block_m, max_tiles) -> (weakref to ends, its version, expert, row)``: the tables of the
 last few groupings, so the four expert GEMMs of a layer call (two forward, two backward) build theirs once."""
 _TILE_TABLES_KEPT = 8
 
@@ -391,12 +391,12 @@ def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch
         return _build_tile_table(ends, block_m, max_tiles)
     key = (id(ends), block_m, max_tiles)
     entry = _TILE_TABLES.get(key)
-    if entry is not None and entry[0]() is ends and entry[1] == ends._version:
+    if entry is not None and entry[0]() is ends and entry[1] == tensor_version(ends):
         return entry[2], entry[3]
     expert, row = _build_tile_table(ends, block_m, max_tiles)
     if len(_TILE_TABLES) >= _TILE_TABLES_KEPT:
         _TILE_TABLES.pop(next(iter(_TILE_TABLES)), None)
-    _TILE_TABLES[key] = (weakref.ref(ends), ends._version, expert, row)
+    _TILE_TABLES[key] = (weakref.ref(ends), tensor_version(ends), expert, row)
     return expert, row
 
 

@@ -378,6 +378,25 @@ def test_sdpa_in_query_tiles_equals_the_whole_row_mask(window, chunk, sinks):
     assert torch.isfinite(results[1][0]).all()
 
 
+def test_packed_masks_serve_validation_batches_made_under_inference_mode():
+    """Lightning's validation moves its batches under ``torch.inference_mode``: the mask cache keys
+    an inference ``cu_seqlens`` (no version counter) on the tensor alone, and the output equals the
+    one made from an ordinary tensor."""
+    generator = torch.Generator().manual_seed(5)
+    cu_seqlens = torch.tensor([0, 7, 19, 30], dtype=torch.int32)
+    q, k, v = (torch.randn(1, h, 30, 8, generator=generator) for h in (4, 2, 2))
+    masked._MASKS.clear()
+    expected = masked.sdpa_packed(q, k, v, cu_seqlens, 0.3, None, None, None, None)
+    masked._MASKS.clear()
+    with torch.inference_mode():
+        inference_cu = cu_seqlens.clone()
+        got = masked.sdpa_packed(q, k, v, inference_cu, 0.3, None, None, None, None)
+        again = masked.sdpa_packed(q, k, v, inference_cu, 0.3, None, None, None, None)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(again, expected)
+    masked._MASKS.clear()
+
+
 def test_band_reach_takes_tiles_only_where_they_save_work():
     assert masked.band_reach(16384, None, None, None) is None  # no host length: the whole mask
     assert masked.band_reach(16384, 2048, None, None) == (2048, 2048)  # 4x fewer scores

@@ -209,3 +209,17 @@ def test_chunk_table_reads_the_batchs_host_bounds_not_the_device_tensor():
     assert host_cu_seqlens(inputs["cu_seq_lens_q"]) is cu and inputs["max_length_q"] == 125
     table = _ChunkTable().get(moved.cu_seqlens)
     assert table.is_meta and table.shape == chunk_table(cu.tolist(), torch.device("cpu"), cu.dtype).shape
+
+
+def test_chunk_table_serves_validation_batches_made_under_inference_mode():
+    """Lightning's validation moves its batches under ``torch.inference_mode``: their ``cu_seqlens``
+    keep no version counter, and the table is keyed on the tensor alone."""
+    cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
+    tables = _ChunkTable()
+    with torch.inference_mode():
+        inference_cu = cu.clone()
+        first = tables.get(inference_cu)
+        assert tables.get(inference_cu) is first
+    assert torch.equal(first, chunk_table(cu.tolist(), torch.device("cpu"), cu.dtype))
+    assert tables.get(cu) is not first  # another batch
+

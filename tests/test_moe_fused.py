@@ -415,6 +415,48 @@ def test_kernels_interpreted_ops_match_float64_and_are_deterministic(top_k, tran
     assert all(torch.equal(a, b) for a, b in zip(grads_again, grads, strict=True))
 
 
+@interpreted_only
+def test_kernels_interpreted_a_layer_call_builds_its_tile_table_once_per_tiling(monkeypatch):
+    from lightning_sloth.kernels import moe as moe_kernels
+
+    requests, builds = [], []
+    build, lookup = moe_kernels._build_tile_table, moe_kernels._tile_table
+
+    def counted_build(ends, block_m, max_tiles):
+        builds.append((block_m, max_tiles))
+        return build(ends, block_m, max_tiles)
+
+    def counted_lookup(ends, block_m, max_tiles):
+        requests.append((block_m, max_tiles))
+        return lookup(ends, block_m, max_tiles)
+
+    monkeypatch.setattr(moe_kernels, "_build_tile_table", counted_build)
+    monkeypatch.setattr(moe_kernels, "_tile_table", counted_lookup)
+    import lightning_sloth.kernels.moe_fused as fused_kernels
+
+    monkeypatch.setattr(fused_kernels, "_tile_table", counted_lookup)
+    case = _case(True, 2, 3, True, n_in=19, n_out=22)
+    t = _leaves(case, torch.float32)
+    outs = (_first(case, t, True), _second(case, t, True, True))
+    _grads(outs, t, tuple(torch.ones_like(o) for o in outs))
+    assert len(requests) >= 4  # two GEMMs forward, two backward
+    assert sorted(builds) == sorted(set(requests)) and len(builds) < len(requests)  # built once per tiling
+
+
+@interpreted_only
+def test_kernels_interpreted_inference_mode_gives_the_no_grad_result():
+    case = _case(True, 2, 3, True)
+    t = _leaves(case, torch.float32)
+    with torch.no_grad():
+        expected = (_first(case, t, True), _second(case, t, True, True))
+    g = case["grouping"]
+    index = torch.empty_like(g.expert_ids).index_put_((g.perm,), g.expert_ids).view(-1, case["top_k"])
+    with torch.inference_mode():  # generation: the grouping's tensors are inference tensors
+        inference = {**case, "grouping": group_by_expert(index.clone(), case["w"].shape[0])}
+        got = (_first(inference, t, True), _second(inference, t, True, True))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def _non_contiguous_equals_contiguous():
     case = _case(True, 2, 3, True)
     g = case["grouping"]

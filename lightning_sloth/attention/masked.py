@@ -14,6 +14,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from lightning_sloth.kernels.tracing import tensor_version
+
 FLEX_BLOCK_SIZE = 128
 
 
@@ -337,8 +339,9 @@ class _BatchMaskCache:
 
     @torch.compiler.disable
     def get(self, cu_seqlens: Tensor, key: tuple, build: Callable[[], object]):
-        if cu_seqlens is not self._cu_seqlens or cu_seqlens._version != self._version:
-            self._cu_seqlens, self._version, self._masks = cu_seqlens, cu_seqlens._version, {}
+        version = tensor_version(cu_seqlens)  # validation's batches are inference tensors
+        if cu_seqlens is not self._cu_seqlens or version != self._version:
+            self._cu_seqlens, self._version, self._masks = cu_seqlens, version, {}
         # A mask built under inference_mode (validation) cannot be saved for a later backward.
         key = (*key, torch.is_inference_mode_enabled())
         if key not in self._masks:

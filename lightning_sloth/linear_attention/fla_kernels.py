@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_sloth.data.batch import host_cu_seqlens
+from lightning_sloth.kernels.tracing import tensor_version
 from lightning_sloth.linear_attention.fla_hopper import register_hopper_backend
 from lightning_sloth.linear_attention.reference import CHUNK_SIZE
 
@@ -65,8 +66,9 @@ class _ChunkTable:
                 "packed linear attention cannot be captured in a CUDA graph: its chunk table follows "
                 "the batch's document lengths; train hybrid linear-attention models with cuda_graphs=False"
             )
-        if cu_seqlens is not self._cu_seqlens or cu_seqlens._version != self._version:
-            self._cu_seqlens, self._version = cu_seqlens, cu_seqlens._version
+        version = tensor_version(cu_seqlens)  # validation's batches are inference tensors
+        if cu_seqlens is not self._cu_seqlens or version != self._version:
+            self._cu_seqlens, self._version = cu_seqlens, version
             host = host_cu_seqlens(cu_seqlens)  # the batch's host copy: no device read
             bounds = (host if host is not None else cu_seqlens).tolist()
             self._table = chunk_table(bounds, cu_seqlens.device, cu_seqlens.dtype)

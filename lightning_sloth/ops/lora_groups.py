@@ -17,6 +17,7 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
+from lightning_sloth.kernels.tracing import tensor_version
 from lightning_sloth.ops import lora_layers
 from lightning_sloth.ops.fp8_lora import shared_input_fp8
 from lightning_sloth.ops.lora import exact_alpha, scaled_mm
@@ -171,7 +172,7 @@ class _Group:
         self.source: tuple[Tensor, int] | None = None
 
     def output(self, module: nn.Module, x: Tensor) -> Tensor | None:
-        if self.source is not None and self.source[0] is x and self.source[1] == x._version:
+        if self.source is not None and self.source[0] is x and self.source[1] == tensor_version(x):
             out = self.pending.pop(id(module), None)
             if not self.pending:
                 self.source = None
@@ -222,7 +223,7 @@ class _Group:
         """Keep the other layers' outputs (or that they run on their own) for their calls with this
         x; return ``module``'s (None: it runs on its own)."""
         self.pending = {id(m): outputs.get(m, _OWN) for m in self.modules if m is not module}
-        self.source = (x, x._version)
+        self.source = (x, tensor_version(x))
         return outputs.get(module)
 
 
