@@ -222,4 +222,3 @@ def test_chunk_table_serves_validation_batches_made_under_inference_mode():
         assert tables.get(inference_cu) is first
     assert torch.equal(first, chunk_table(cu.tolist(), torch.device("cpu"), cu.dtype))
     assert tables.get(cu) is not first  # another batch
-

@@ -83,6 +83,27 @@ def test_registered_name_trains_and_transforms_the_model(tmp_path, datamodule):
     assert config["r"] == 4 and (tmp_path / "adapter" / "adapter_model.safetensors").exists()
 
 
+class _MovedUnderInferenceMode(CausalLMModule):
+    """Copies every batch as a move to an accelerator does: Lightning's validation moves batches
+    inside ``torch.inference_mode``, so there they arrive as inference tensors (on a CPU ``.to``
+    returns the same tensor, and the validation path never met one)."""
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        return batch._map_tensors(torch.Tensor.clone)
+
+
+def test_validation_batches_moved_under_inference_mode_give_the_same_metrics(tmp_path, datamodule):
+    results = []
+    for module_class in (CausalLMModule, _MovedUnderInferenceMode):
+        seed_everything(0)
+        module = module_class(_tiny_llama(100), lora=LoraSettings(r=4))
+        trainer = _trainer(tmp_path, strategy=SlothStrategy(kernels=True), limit_val_batches=2)
+        results.append(trainer.validate(module, datamodule=datamodule, verbose=False)[0])
+    assert results[0]["val/loss"] == pytest.approx(results[1]["val/loss"], rel=1e-6)
+    assert results[0]["val/token_acc"] == results[1]["val/token_acc"]
+
+
 def test_loss_decreases_on_a_fixed_batch(tmp_path, datamodule):
     """The plugins train: repeated steps on one packed batch drive its loss down."""
     seed_everything(0)
