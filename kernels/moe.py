@@ -375,9 +375,9 @@ experts); each program recomputes the per-expert tile counts and takes ``BLOCK_T
 
 
 _TILE_TABLES: dict[tuple[int, int, int], tuple] = {}
-"""``(id(ends), block_m, max_tiles) -> (weakref to ends, its version, expert, row)``: the tables of the
-last few groupings, so the four expert GEMMs of a layer call (two forward, two backward) build theirs once."""
-_TILE_TABLES_KEPT = 8
+"""``(id(ends), block_m, max_tiles) -> (weakref to ends, its version, expert, row)`` for every live
+grouping: the four expert GEMMs of a layer call (two forward, two backward, however many layers run
+in between) build their table once, and an entry goes when its ``ends`` tensor is freed."""
 
 
 def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,9 +394,12 @@ def _tile_table(ends: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch
     if entry is not None and entry[0]() is ends and entry[1] == tensor_version(ends):
         return entry[2], entry[3]
     expert, row = _build_tile_table(ends, block_m, max_tiles)
-    if len(_TILE_TABLES) >= _TILE_TABLES_KEPT:
-        _TILE_TABLES.pop(next(iter(_TILE_TABLES)), None)
-    _TILE_TABLES[key] = (weakref.ref(ends), tensor_version(ends), expert, row)
+    _TILE_TABLES[key] = (
+        weakref.ref(ends, lambda _ref: _TILE_TABLES.pop(key, None)),
+        tensor_version(ends),
+        expert,
+        row,
+    )
     return expert, row
 
 

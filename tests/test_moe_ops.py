@@ -254,6 +254,12 @@ def test_kernels_interpreted_tile_table_equals_the_torch_ops(experts, block_m):
         ref_expert, ref_row = kernels._tile_table_reference(ends, block_m, max_tiles)
         assert expert.dtype == row.dtype == torch.int32
         assert torch.equal(expert, ref_expert) and torch.equal(row, ref_row)
+    held = len(kernels._TILE_TABLES)
+    other = ends.clone()
+    kernels._tile_table(other, block_m, 1000)
+    assert len(kernels._TILE_TABLES) == held + 1
+    del other  # a freed grouping's entry goes with it
+    assert len(kernels._TILE_TABLES) == held
     with torch.inference_mode():  # generation: an inference tensor has no version to check
         inference_ends = ends.clone()
         got = kernels._tile_table(inference_ends, block_m, 1000)
