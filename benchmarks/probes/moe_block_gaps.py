@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import io
 import json
 import os
@@ -26,20 +25,13 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: moe_bench, probes/
 
 
 def main(argv: list[str] | None = None) -> dict:
-    bench = _load("moe_bench", HERE.parent / "moe_bench.py")
-    host_profile = _load("host_profile", HERE / "host_profile.py")
+    import moe_bench as bench
+    from probes.host_profile import gpu_gaps
+
     from lightning_sloth.bench.measure import environment
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -85,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
                 begin = time.perf_counter()
                 step()
                 wall_us = (time.perf_counter() - begin) * 1e6
-            gaps = host_profile.gpu_gaps(prof.events(), wall_us, args.gaps)
+            gaps = gpu_gaps(prof.events(), wall_us, args.gaps)
             if args.trace:
                 os.makedirs(args.trace, exist_ok=True)
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_sloth.moe.routing import counts_from_ends
 from lightning_sloth.ops.registry import (
     TRITON_OPS,
     call,
@@ -99,7 +100,7 @@ def _weight_grad(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
     """``[E, A, B]``: ``a[rows of e]^T @ b[rows of e]`` (zero for an expert without rows)."""
     if _hopper_grouped_mm(a, b):
         out = torch._grouped_mm(a.t(), b, offs=ends)
-        return torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0)
+        return torch.where((counts_from_ends(ends) > 0)[:, None, None], out, 0)
     if use_triton(a):
         return _kernels.grouped_mm_weight_grad(a, b, ends)
     return _weight_grad_reference(a, b, ends)
