@@ -412,9 +412,14 @@ class PreemptionCheckpoint(Callback):
             signal.signal(signum, self._on_signal)
 
     def _finish(self) -> None:
-        """Give the signals back to the handlers they had before."""
+        """Give the signals back to the handlers they had before, where this callback's handler is
+        still the one installed: Lightning's teardown runs before the callbacks' and has already put
+        back what SIGTERM had before ``fit``; reinstalling Lightning's own handler over that would
+        leave the process ignoring SIGTERM after ``fit`` returns."""
         self._done = True
         for signum, handler in self._originals.items():
+            if signal.getsignal(signum) != self._on_signal:
+                continue
             with contextlib.suppress(ValueError):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
