@@ -7,6 +7,7 @@ find this module the same way.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 
@@ -26,9 +27,19 @@ def gpu_world() -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a rendezvous, below the kernel's ephemeral range (where ``bind(0)`` and
+    Lightning's port picker draw) and in a slice of its own per pytest-xdist worker: two multi-process
+    tests running at once never meet on one port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = 20000 + 500 * (int(worker) % 24 if worker.isdigit() else 0)
+    for port in random.Random().sample(range(low, low + 500), 500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + 499}")
 
 
 def llama(hidden: int, layers: int, vocab: int, attention: str) -> LlamaForCausalLM:

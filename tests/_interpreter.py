@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,7 +21,7 @@ launcher_only = pytest.mark.skipif(INTERPRETED, reason="this is the launcher of 
 def run_interpreted_cases(test_file: str) -> subprocess.CompletedProcess:
     """Run ``test_file``'s ``interpreted`` cases with ``TRITON_INTERPRET=1`` in a new process."""
     pytest.importorskip("triton")
-    return subprocess.run(
+    return _processes.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "interpreted"],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         cwd=Path(test_file).parents[1],

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -37,7 +38,7 @@ QUICK = [
 
 def cli(*args: str, command=(SCRIPT,), cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "2"}
-    result = subprocess.run(
+    result = _processes.run(
         [*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
     result.log = f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"

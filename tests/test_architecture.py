@@ -7,10 +7,10 @@ their own package, and the model transformations free of Lightning and Hydra.
 """
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def _sources() -> list[Path]:
 def test_import_contracts_hold():
     lint = Path(sys.executable).parent / "lint-imports"
     assert lint.exists(), "import-linter is in the test extra: pip install -e '.[test]'"
-    result = subprocess.run(
+    result = _processes.run(
         ["bash", str(ROOT / ".ci" / "lint-imports")],
         capture_output=True,
         text=True,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -75,7 +76,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def cli(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(
+    result = _processes.run(
         [str(BIN / name), *args],
         cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -93,7 +94,7 @@ def test_merged_export_loads_without_lightning_sloth_with_the_trained_logits(run
     merged = tmp_path / "merged"
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
         assert (merged / name).is_file(), name
-    probe = subprocess.run(
+    probe = _processes.run(
         [sys.executable, "-c", LOAD_WITHOUT_SLOTH, str(merged), repr(INPUT_IDS), str(tmp_path / "logits.pt")],
         capture_output=True,
         text=True,

@@ -5,10 +5,10 @@ leaves the previous checkpoint loadable and stops the run naming the path and th
 memory plan leaves room for the longest step."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -189,11 +189,11 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path(tmp_path):
     script.write_text(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     mount = f"mount -t tmpfs -o size=64m tmpfs {disk} && exec {sys.executable} {script} {out} tmpfs"
-    tmpfs = subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+    tmpfs = _processes.run(["unshare", "-rm", "true"], timeout=60).returncode == 0
     command = (
         ["unshare", "-rm", "sh", "-c", mount] if tmpfs else [sys.executable, str(script), str(out), "inject"]
     )
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    result = _processes.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode != 0
     last = out / "checkpoints" / "last.ckpt"
     assert "CheckpointWriteError" in result.stderr, result.stderr[-3000:]

@@ -5,6 +5,7 @@ process its rank without re-launching anything."""
 
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -153,7 +154,6 @@ def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str):
     """``lightning-sloth trainer=fsdp trainer.devices=2 model=tiny_llama`` (two short steps) on a plain
     machine (no cluster variables); returns the finished process."""
     import os
-    import subprocess
     import sys
 
     args = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "model=tiny_llama"]
@@ -174,7 +174,7 @@ def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str):
         "GROUP_RANK",
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(cluster)}  # a plain machine
-    result = subprocess.run(
+    result = _processes.run(
         [str(app), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,10 +1,10 @@
 """sloth::linear_cross_entropy on CPU: float64 references, transformers parity, opcheck, compile, Triton."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
+import _processes
 import pytest
 import torch
 import torch.nn.functional as F
@@ -336,7 +336,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
+    result = _processes.run(
         [sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -3,10 +3,10 @@ optimizer step built straight in 4 bits, the accounting's held part, the bisecti
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 
@@ -104,7 +104,7 @@ def test_bisect_driver_runs_one_process_per_probe(tmp_path):
         "--device", "cpu", "--base", "bf16", "--lora-r", "4", "--offload", "off", "--low", "32", "--high", "96",
         "--step", "32",
     ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = _processes.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "bisect_tiny_bf16.json").read_text())
     # Every length fits on the CPU: 64, and the bracket closes at 64..96.

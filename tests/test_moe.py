@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import re
 
+import _processes
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,7 +362,6 @@ def test_expert_load_monitor_reads_the_counts_of_every_layer():
 def test_app_trains_the_moe_presets_with_lora_on_experts(tmp_path, preset, extra):
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -372,7 +372,7 @@ def test_app_trains_the_moe_presets_with_lora_on_experts(tmp_path, preset, extra
         "data.num_val=8", "data.max_tokens=256", f"hydra.run.dir={tmp_path}", *extra,
     ]  # fmt: skip
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = _processes.run(
         [script, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-4000:]

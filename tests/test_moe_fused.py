@@ -11,6 +11,7 @@ the same in float32 against float64, bit-identical across two runs, and the tiny
 
 from __future__ import annotations
 
+import _processes
 import pytest
 import torch
 from _interpreter import INTERPRETED, interpreted_only, launcher_only, run_interpreted_cases
@@ -677,16 +678,15 @@ def test_kernels_under_triton_interpreter():
 def test_grouped_mm_choice_from_the_environment():
     """LIGHTNING_SLOTH_MOE_GROUPED_MM sets both flags at import; a wrong name is an error naming it."""
     import os
-    import subprocess
     import sys
 
     code = "from lightning_sloth.moe import indexed as i; print(i.ORDERED_ROWS_GROUPED_MM, i.GATHERED_ROWS_GROUPED_MM)"
     for name, want in (("both", "True True"), ("gathered", "False True"), ("", "False False")):
         env = {**os.environ, "LIGHTNING_SLOTH_MOE_GROUPED_MM": name}
-        done = subprocess.run(
+        done = _processes.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0 and done.stdout.split()[-2:] == want.split(), done.stderr[-2000:]
     env = {**os.environ, "LIGHTNING_SLOTH_MOE_GROUPED_MM": "all"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = _processes.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "LIGHTNING_SLOTH_MOE_GROUPED_MM / --grouped-mm takes" in done.stderr

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 from hydra import compose, initialize_config_module
 
@@ -37,7 +38,7 @@ def test_the_default_run_in_a_log(tmp_path):
         "data.num_val=16",
         "data.max_tokens=256",
     ]
-    result = subprocess.run(
+    result = _processes.run(
         [SCRIPT, *shortened, f"hydra.run.dir={out}"],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "2"},

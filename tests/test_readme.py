@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import tomllib
 from packaging.requirements import Requirement
@@ -127,7 +128,7 @@ def prepare(cwd: Path) -> None:
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return _processes.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def run_commands(commands: list[tuple[str, bool]], cwd: Path) -> tuple[list[str], list[str], list[str]]:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 
@@ -41,9 +42,20 @@ RUN = [
 ]
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_started():
+    """Whatever a test started (and its process group) ends with the test, pass or fail."""
+    yield
+    while STARTED:
+        _processes.stop(STARTED.pop())
+
+
 def start(out: Path, cwd: Path, env: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
-    return subprocess.Popen(
+    return _started(
         [SCRIPT, *RUN, f"hydra.run.dir={out}"],
         cwd=cwd,
         env=env,
@@ -51,6 +63,11 @@ def start(out: Path, cwd: Path, env: dict | None = None) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def _started(args, **kwargs) -> subprocess.Popen:
+    STARTED.append(_processes.start(args, **kwargs))
+    return STARTED[-1]
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -82,7 +99,7 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
     (loader_state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert 0 < step < 10 and loader_state["consumed"] > 0  # mid-epoch
 
-    resumed = subprocess.run(
+    resumed = _processes.run(
         [SCRIPT, *RUN, f"hydra.run.dir={killed}"],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -102,7 +119,7 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
 
 def resume_and_compare(reference: Path, stopped: Path, cwd: Path, uninterrupted, step: int) -> None:
     """Rerun the same command in ``stopped``; its losses from ``step`` on equal the reference's."""
-    resumed = subprocess.run(
+    resumed = _processes.run(
         [SCRIPT, *RUN, f"hydra.run.dir={stopped}"],
         cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -197,7 +214,7 @@ io.save_checkpoint({"step": 2, "weights": torch.zeros(1 << 20)}, path)
 
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
-    child = subprocess.Popen(
+    child = _started(
         [sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert child.stdout.readline().strip() == "writing", child.stderr.read()
@@ -235,3 +252,32 @@ def test_each_batch_draws_from_its_own_seed():
     assert not torch.equal(draws(0, 5, noise=1), draws(0, 6, noise=1))
     assert not torch.equal(draws(0, 5, noise=1), draws(1, 5, noise=1))
     assert len({seed_step(s, i) for s in range(4) for i in range(1000)}) == 4000
+
+
+def test_fit_gives_the_signals_back_as_it_found_them(tmp_path):
+    """After ``fit`` returns, SIGTERM and the SLURM signals have their dispositions from before it:
+    the process can be terminated again (Lightning's teardown runs before the callbacks', so the
+    callback must not reinstall Lightning's SIGTERM handler, which only logs)."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_sloth.plugins.checkpoint import PREEMPTION_SIGNALS, PreemptionCheckpoint
+
+    signums = [getattr(signal, name) for name in PREEMPTION_SIGNALS]
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        for _ in range(2):
+            trainer = L.Trainer(
+                max_steps=2,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=tmp_path,
+                callbacks=[PreemptionCheckpoint(tmp_path / "last.ckpt")],
+            )
+            trainer.fit(BoringModel())
+            assert {signum: signal.getsignal(signum) for signum in signums} == before
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

@@ -5,10 +5,10 @@ directories are checked the same way."""
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -75,7 +75,7 @@ def test_the_payload_runs_when_loaded_unrestricted(crafted_run, tmp_path):
     probe = tmp_path / "last.ckpt"
     shutil.copy(run / "checkpoints" / "last.ckpt", probe)
     code = f"import torch; torch.load({str(probe)!r}, weights_only=False)"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    _processes.run([sys.executable, "-c", code], check=True, timeout=120)
     assert marker.exists()
     marker.unlink()
 
