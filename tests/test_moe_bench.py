@@ -71,3 +71,15 @@ def test_rounds_interleave_the_configurations_and_pool_their_steps():
     assert bench._interleaved(2, 0) == [(0, 0), (0, 1)]  # at least one round
     pooled = bench._pooled([3.0, 1.0, 2.0, 10.0])
     assert pooled["median_ms"] == 2.5 and pooled["min_ms"] == 1.0 and pooled["timed_steps"] == 4
+
+
+def test_the_summary_gives_the_back_to_back_ratio_beside_the_synchronised_one():
+    result = {
+        "grouped_mm": {"median_ms": 30.0, "pipelined_ms": 24.0},
+        "sloth_fused": {"median_ms": 10.0, "pipelined_ms": 6.0},
+        "fused_speedup_vs_grouped_mm": 3.0,
+        "fused_pipelined_speedup_vs_grouped_mm": 4.0,
+    }
+    line = bench.summary({"results": {"shape/lora": result}}).splitlines()[1]
+    assert "30.00 ms" in line and "10.00 ms" in line
+    assert "3.00x" in line and "(back to back: 4.00x vs grouped_mm)" in line
