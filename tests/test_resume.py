@@ -257,7 +257,11 @@ def test_each_batch_draws_from_its_own_seed():
 def test_fit_gives_the_signals_back_as_it_found_them(tmp_path):
     """After ``fit`` returns, SIGTERM and the SLURM signals have their dispositions from before it:
     the process can be terminated again (Lightning's teardown runs before the callbacks', so the
-    callback must not reinstall Lightning's SIGTERM handler, which only logs)."""
+    callback must not reinstall Lightning's SIGTERM handler, which only logs), and nothing keeps
+    the trainer and its model alive (a handler left installed held both for the process's life)."""
+    import gc
+    import weakref
+
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -276,8 +280,13 @@ def test_fit_gives_the_signals_back_as_it_found_them(tmp_path):
                 default_root_dir=tmp_path,
                 callbacks=[PreemptionCheckpoint(tmp_path / "last.ckpt")],
             )
-            trainer.fit(BoringModel())
+            model = BoringModel()
+            trainer.fit(model)
             assert {signum: signal.getsignal(signum) for signum in signums} == before
+            alive = weakref.ref(trainer), weakref.ref(model)
+            del trainer, model
+            gc.collect()
+            assert [ref() is None for ref in alive] == [True, True]
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
