@@ -10,6 +10,7 @@ import os
 import random
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -95,18 +96,33 @@ def leave_at_once() -> None:
     os._exit(1)
 
 
+RANKS_TIMEOUT = 600
+"""Seconds a multi-process run may take before its ranks are killed and the test fails."""
+
+
+def start_and_join(worker, args: tuple, world: int, timeout: float = RANKS_TIMEOUT) -> None:
+    """``mp.start_processes(worker, args, world)`` (spawn), joined with a deadline: a rendezvous or
+    collective that never completes kills every rank and fails the test, instead of holding it (and
+    a failed rank raises with its traceback, as ``start_processes`` does)."""
+    context = mp.start_processes(worker, args=args, nprocs=world, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(1.0, min(30.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(
+                f"{world} ranks of {getattr(worker, '__name__', worker)} ran past {timeout} s "
+                "(a rendezvous or collective never completed): killed"
+            )
+
+
 def run(device_type: str, world: int = WORLD) -> dict:
     """``{(offload, rank): (parameters after 3 DDP steps, offloader stats)}`` for offload off and on,
     on ``world`` processes."""
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
         for offload in (False, True):
-            mp.start_processes(
-                _worker,
-                args=(free_port(), device_type, offload, results, world),
-                nprocs=world,
-                start_method="spawn",
-            )
+            start_and_join(_worker, (free_port(), device_type, offload, results, world), world)
         return dict(results)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from _ddp import WORLD, free_port, leave_at_once
+from _ddp import WORLD, free_port, leave_at_once, start_and_join
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import (
@@ -305,12 +305,7 @@ def run(scenario: Callable[[Path], dict], tmp: Path, world: int = WORLD) -> dict
     """``{rank: scenario(tmp)}`` from ``world`` processes (two by default) started like torchrun does."""
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
-        mp.start_processes(
-            _worker,
-            args=(free_port(), scenario, str(tmp), results, world),
-            nprocs=world,
-            start_method="spawn",
-        )
+        start_and_join(_worker, (free_port(), scenario, str(tmp), results, world), world)
         return dict(results)
 
 
