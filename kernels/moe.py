@@ -152,13 +152,22 @@ def add_group_bias(out: torch.Tensor, bias: torch.Tensor, expert_of_row: torch.T
 
 
 @triton.jit
+def _gate_up_pairs(H, row, stride_h, start, n_cols, BLOCK: tl.constexpr):
+    """Columns ``start .. start + BLOCK`` of an interleaved gate/up row as fp32 ``(gate, up)``: one
+    contiguous load of the ``2 BLOCK`` values, split in registers (two stride-2 loads would each
+    touch every line of the row, one element in two)."""
+    pairs = 2 * start + tl.arange(0, 2 * BLOCK)
+    both = tl.load(H + row * stride_h + pairs, mask=pairs < 2 * n_cols, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(both, (BLOCK, 2)))
+
+
+@triton.jit
 def _clamped_swiglu_forward_kernel(H, OUT, n_cols, stride_h, stride_out, alpha, limit, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        gate = tl.load(H + row * stride_h + 2 * cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(H + row * stride_h + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+        gate, up = _gate_up_pairs(H, row, stride_h, start, n_cols, BLOCK)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         out = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
@@ -174,8 +183,7 @@ def _clamped_swiglu_backward_kernel(
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         dout = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
-        gate_in = tl.load(H + row * stride_h + 2 * cols, mask=mask, other=0.0).to(tl.float32)
-        up_in = tl.load(H + row * stride_h + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+        gate_in, up_in = _gate_up_pairs(H, row, stride_h, start, n_cols, BLOCK)
         gate = tl.minimum(gate_in, limit)
         up = tl.minimum(tl.maximum(up_in, -limit), limit)
         s = tl.sigmoid(gate * alpha)
@@ -185,8 +193,9 @@ def _clamped_swiglu_backward_kernel(
         # clamp passes the gradient where the input lies inside its bounds (bounds included)
         d_gate = tl.where(gate_in <= limit, d_gate, 0.0)
         d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
-        tl.store(DH + row * stride_dh + 2 * cols, d_gate.to(DH.dtype.element_ty), mask=mask)
-        tl.store(DH + row * stride_dh + 2 * cols + 1, d_up.to(DH.dtype.element_ty), mask=mask)
+        pairs = 2 * start + tl.arange(0, 2 * BLOCK)  # interleaved again: one contiguous store
+        both = tl.reshape(tl.join(d_gate, d_up), (2 * BLOCK,))
+        tl.store(DH + row * stride_dh + pairs, both.to(DH.dtype.element_ty), mask=pairs < 2 * n_cols)
 
 
 def clamped_swiglu_forward(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -288,6 +288,28 @@ def test_kernels_interpreted_tile_table_equals_the_torch_ops(experts, block_m):
 
 @interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernels_interpreted_clamped_swiglu_over_long_padded_rows(dtype):
+    """Rows longer than one block (the second one partial) whose stride is wider than the row:
+    the contiguous gate/up pair loads and the interleaved store stay inside each row."""
+    from lightning_sloth.kernels import moe as kernels
+
+    n = 1030  # 1024 + 6: two blocks, the last masked
+    wide = (6 * torch.randn(3, 2 * n + 10)).to(dtype)  # values on both sides of +-7
+    h = wide[:, : 2 * n]
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    out = kernels.clamped_swiglu_forward(h, 1.702, 7.0)
+    torch.testing.assert_close(
+        out.float(), clamped_swiglu_reference(h.float(), 1.702, 7.0), rtol=tol, atol=tol
+    )
+    dz = torch.randn(3, n).to(dtype)
+    dh = kernels.clamped_swiglu_backward(dz, h, 1.702, 7.0)
+    expected = moe_ops._clamped_swiglu_backward_reference(dz.float(), h.float(), 1.702, 7.0)
+    torch.testing.assert_close(dh.float(), expected, rtol=tol, atol=tol)
+    assert dh.shape == (3, 2 * n) and dh.is_contiguous()
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernels_interpreted_gather_combine_bias_activation(dtype):
     from lightning_sloth.kernels import moe as kernels
 
