@@ -164,7 +164,8 @@ def _step(block, x, grad):
     return out
 
 
-def measure(block, x, grad, warmup: int, timed: int) -> dict:
+def measure(block, x, grad, warmup: int, timed: int, pipelined: bool = True) -> dict:
+    """Synchronised steps' times; with ``pipelined``, also the same steps enqueued back to back."""
     for _ in range(warmup):
         _step(block, x, grad)
     x.grad = None
@@ -184,21 +185,23 @@ def measure(block, x, grad, warmup: int, timed: int) -> dict:
         x.grad = None
         for param in block.parameters():
             param.grad = None
-    # The same steps enqueued back to back, one synchronisation at the end: the host runs ahead as it
-    # does from layer to layer in a training step, so its own time per step shows only where it is
-    # longer than the GPU's.
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(timed):
-        _step(block, x, grad)
-        x.grad = None
-        for param in block.parameters():
-            param.grad = None
-    end.record()
-    torch.cuda.synchronize()
-    return {
+    result = {}
+    if pipelined:
+        # The same steps enqueued back to back, one synchronisation at the end: the host runs ahead as
+        # it does from layer to layer in a training step, so its own time per step shows only where
+        # it is longer than the GPU's.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(timed):
+            _step(block, x, grad)
+            x.grad = None
+            for param in block.parameters():
+                param.grad = None
+        end.record()
+        torch.cuda.synchronize()
+        result["pipelined_ms"] = start.elapsed_time(end) / timed
+    return result | {
         "median_ms": statistics.median(times),
-        "pipelined_ms": start.elapsed_time(end) / timed,
         "min_ms": min(times),
         "times_ms": times,
         "timed_steps": timed,
@@ -399,7 +402,7 @@ def run_case(
                     out = (out[0] if isinstance(out, tuple) else out).float()
                     if reference is not None:
                         entry["rel_diff_vs_grouped_mm"] = float((out - reference).norm() / reference.norm())
-                timing = measure(block, x, grad, warmup, timed)
+                timing = measure(block, x, grad, warmup, timed, pipelined=False)  # the sweep pools medians
                 if not times[index]:
                     entry.update({k: v for k, v in timing.items() if k.endswith("gib")})
                 entry.setdefault("round_medians_ms", []).append(timing["median_ms"])
