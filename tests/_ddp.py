@@ -27,20 +27,25 @@ def gpu_world() -> int:
     return int(os.environ.get("SLOTH_TEST_GPUS") or torch.cuda.device_count())
 
 
-def free_port() -> int:
-    """A free port for a rendezvous, below the kernel's ephemeral range (where ``bind(0)`` and
-    Lightning's port picker draw) and in a slice of its own per pytest-xdist worker: two multi-process
-    tests running at once never meet on one port."""
+def port_slice() -> range:
+    """This pytest-xdist worker's rendezvous ports: 500 of its own, below the kernel's ephemeral
+    range (where ``bind(0)`` and Lightning's port picker draw)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
     low = 20000 + 500 * (int(worker) % 24 if worker.isdigit() else 0)
-    for port in random.Random().sample(range(low, low + 500), 500):
+    return range(low, low + 500)
+
+
+def free_port() -> int:
+    """A free port of :func:`port_slice`: two multi-process tests running at once never meet on one."""
+    ports = port_slice()
+    for port in random.Random().sample(ports, len(ports)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {low}..{low + 499}")
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def llama(hidden: int, layers: int, vocab: int, attention: str) -> LlamaForCausalLM:

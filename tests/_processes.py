@@ -26,9 +26,7 @@ def _kill_group(child: subprocess.Popen) -> None:
         os.killpg(child.pid, signal.SIGKILL)
 
 
-def run(
-    args, *, timeout: float, check: bool = False, input: str | None = None, **kwargs
-) -> subprocess.CompletedProcess:
+def run(args, *, timeout: float, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)`` whose
     timeout kills the child's whole process group and fails the test with the output so far
     (as does a non-zero exit with ``check``)."""
@@ -36,11 +34,9 @@ def run(
     if kwargs.pop("capture_output", True):
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
-    with subprocess.Popen(
-        args, start_new_session=True, stdin=subprocess.PIPE if input else None, **kwargs
-    ) as child:
+    with subprocess.Popen(args, start_new_session=True, **kwargs) as child:
         try:
-            stdout, stderr = child.communicate(input, timeout=timeout)
+            stdout, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(child)
             try:
@@ -51,11 +47,8 @@ def run(
                 f"{args!r} ran past {timeout} s and was killed with its process group\n"
                 f"stdout:\n{(stdout or '')[-TAIL:]}\nstderr:\n{(stderr or '')[-TAIL:]}"
             )
-        except BaseException:
-            _kill_group(child)
-            raise
         finally:
-            _kill_group(child)  # whatever it left running
+            _kill_group(child)  # whatever it left running, also when the test is interrupted
     if check and child.returncode != 0:
         pytest.fail(
             f"{args!r} exited with {child.returncode}\n"
