@@ -58,12 +58,6 @@ through the permutation, from a gathered copy (``GATHERED_ROWS_GROUPED_MM``); ``
 (``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads, a TMA descriptor, or a
 descriptor in a warp-specialised K loop.
 
-``--dense-side "1024;0"`` is a sixth: the widest ``experts x rank`` whose separate rank-r side of rows
-read through the permutation is one dense GEMM of the token rows (``DENSE_SIDE_MAX_COLUMNS`` of
-``lightning_sloth.moe.indexed``; 0: the indexed pass), e.g. on GPT-OSS-20B's wide outputs::
-
-    python benchmarks/moe_bench.py --fused --systems sloth_fused --rounds 3 --dense-side "default;0"
-
 The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
 configurations N times each, interleaved (every configuration once per round), and pools their steps
 (``round_medians_ms`` lists each round's median)::
@@ -253,7 +247,6 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 _DEFAULT_DOWN_RANK_MAX = None
 _DEFAULT_GROUPED_MM = None
 _DEFAULT_WEIGHT_LOADS = None
-_DEFAULT_DENSE_SIDE = None
 
 
 def _set_tiles(
@@ -262,9 +255,8 @@ def _set_tiles(
     down: int | None = None,
     grouped: str | None = None,
     loads: str | None = None,
-    dense: int | None = None,
 ) -> None:
-    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS, _DEFAULT_DENSE_SIDE
+    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS
     from lightning_sloth.kernels import moe_fused
 
     from lightning_sloth.moe import indexed
@@ -274,10 +266,8 @@ def _set_tiles(
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
         _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
         _DEFAULT_WEIGHT_LOADS = moe_fused.WEIGHT_LOADS
-        _DEFAULT_DENSE_SIDE = indexed.DENSE_SIDE_MAX_COLUMNS
     moe_fused.WEIGHT_LOADS = _DEFAULT_WEIGHT_LOADS if loads is None else loads
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
-    indexed.DENSE_SIDE_MAX_COLUMNS = _DEFAULT_DENSE_SIDE if dense is None else dense
     flags = _DEFAULT_GROUPED_MM if grouped is None else indexed.grouped_mm_choice(grouped)
     indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM = flags
 
@@ -316,14 +306,10 @@ def _variants(
     down_ranks: str | None = None,
     grouped: str | None = None,
     loads: str | None = None,
-    dense: str | None = None,
 ) -> list[tuple]:
     """The first configuration of each knob, then every other one with the other knobs at their first:
-    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads, dense side)``."""
-    knobs = [
-        _tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads),
-        _ranks(dense),
-    ]  # fmt: skip
+    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads)``."""
+    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads)]
     first = tuple(k[0] for k in knobs)
     out = [first]
     for i, values in enumerate(knobs):
@@ -399,15 +385,8 @@ def run_case(
                 results[f"fused_pipelined_speedup_vs_{name}"] = other["pipelined_ms"] / fused["pipelined_ms"]
     if variants and len(variants) > 1:
         sweep = [
-            {
-                "tiles": t,
-                "wgrad_tiles": w,
-                "down_rank_max": d,
-                "grouped_mm": o,
-                "weight_loads": ld,
-                "dense_side": ds,
-            }
-            for t, w, d, o, ld, ds in variants
+            {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o, "weight_loads": ld}
+            for t, w, d, o, ld in variants
         ]
         times: list[list[float]] = [[] for _ in variants]
         for _round, index in _interleaved(len(variants), rounds):
@@ -477,8 +456,6 @@ def summary(report: dict) -> str:
                 label += f", torch._grouped_mm for {entry['grouped_mm']}"
             if entry.get("weight_loads") is not None:
                 label += f", weights through {entry['weight_loads']}"
-            if entry.get("dense_side") is not None:
-                label += f", dense side up to {entry['dense_side']} columns"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
@@ -524,11 +501,6 @@ def main(argv: list[str] | None = None) -> dict:
         "warp-specialised); several: ';'",
     )
     parser.add_argument(
-        "--dense-side",
-        default=None,
-        help="widest experts x rank whose separate rank-r side is one dense GEMM (0: indexed); several: ';'",
-    )
-    parser.add_argument(
         "--group-m",
         type=int,
         default=None,
@@ -556,12 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out = args.out or _default_out(args.fused)
     try:
         variants = _variants(
-            args.fused_tiles,
-            args.wgrad_tiles,
-            args.down_rank_max,
-            args.grouped_mm,
-            args.weight_loads,
-            args.dense_side,
+            args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm, args.weight_loads
         )
     except ValueError as error:
         parser.error(str(error))
@@ -585,8 +552,6 @@ def main(argv: list[str] | None = None) -> dict:
         "wgrad_tiles": args.wgrad_tiles,
         "down_rank_max": args.down_rank_max,
         "grouped_mm": args.grouped_mm,
-        "weight_loads": args.weight_loads,
-        "dense_side": args.dense_side,
         "group_m": args.group_m,
         "rounds": args.rounds,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},

@@ -593,49 +593,6 @@ def test_kernels_interpreted_lora_down_in_the_same_pass_equals_the_separate_pass
 
 
 @interpreted_only
-@pytest.mark.parametrize("down_is_kn", [False, True])
-def test_kernels_interpreted_dense_side_equals_the_indexed_pass(down_is_kn, monkeypatch):
-    """Where the rank-r side of rows read through the permutation is a separate pass (an output wider
-    than the one-pass bound), it is one dense product of the token rows with every expert's factor,
-    each row taking its expert's columns: the side and the output equal the indexed pass's and float64,
-    and the whole first op (output and every gradient) still equals the separate passes."""
-    from lightning_sloth.moe import indexed
-
-    monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_OUT", 0)
-    top_k, n_in, n_out, rank = 3, 21, 37, 5
-    grouping, _ = _routing(7, 5, top_k, 2, used=[0, 2, 3])  # experts 1 and 4 without rows
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(7, n_in, generator=gen)
-    w = torch.randn(5, n_out, n_in, generator=gen)
-    down = torch.randn(*((5, n_in, rank) if down_is_kn else (5, rank, n_in)), generator=gen)
-    up = torch.randn(5, n_out, rank, generator=gen)
-    args = dict(down=down, down_is_kn=down_is_kn, up=up, up_is_kn=False, lora_scale=0.25, keep_scaled=False)
-    rows = dict(a_idx=grouping.perm, div=top_k, expert_ids=grouping.expert_ids)
-    assert indexed.dense_side(x, down, down_is_kn, grouping.perm, None, grouping.expert_ids)
-    assert not indexed.dense_side(x, down, down_is_kn, grouping.perm, torch.ones(21), grouping.expert_ids)
-    calls = []
-    dense = indexed._dense_side
-    monkeypatch.setattr(indexed, "_dense_side", lambda *a: calls.append(1) or dense(*a))
-    out, side = indexed.indexed_lora_grouped_mm(x, w, grouping.ends, False, **args, **rows)
-    assert calls == [1]
-    monkeypatch.setattr(indexed, "DENSE_SIDE_MAX_COLUMNS", 0)
-    want_out, want_side = indexed.indexed_lora_grouped_mm(x, w, grouping.ends, False, **args, **rows)
-    assert calls == [1]  # the bound off: the indexed pass
-    torch.testing.assert_close(side, want_side, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-    rows64 = x.double()[grouping.perm // top_k]
-    d64 = down.double() if down_is_kn else down.double().transpose(1, 2)
-    side64 = torch.empty(21, rank, dtype=torch.float64)
-    for e, s in enumerate(_slices(grouping.ends)):
-        side64[s] = rows64[s] @ d64[e]
-    torch.testing.assert_close(side.double(), side64, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(indexed, "DENSE_SIDE_MAX_COLUMNS", 1024)
-    calls.clear()
-    _compare(_case(down_is_kn, top_k, rank, False, n_in=19, n_out=22), torch.float32, 2e-5, 2e-5)
-    assert calls  # the first op's side took the dense product
-
-
-@interpreted_only
 def test_kernels_interpreted_one_pass_that_does_not_fit_falls_back_with_a_warning(monkeypatch):
     from lightning_sloth.kernels import moe_fused as kernels
 

@@ -26,12 +26,10 @@ if TRITON_OPS or _INTERPRETED:
     from lightning_sloth.kernels import moe_fused as _kernels
 
 __all__ = [
-    "DENSE_SIDE_MAX_COLUMNS",
     "GATHERED_ROWS_GROUPED_MM",
     "GROUPED_MM_CHOICES",
     "ORDERED_ROWS_GROUPED_MM",
     "bias_grad",
-    "dense_side",
     "down_in_kernel",
     "expert_weight",
     "gathered_grouped_mm",
@@ -132,44 +130,6 @@ def down_in_kernel(x: Tensor, rank: int, n_out: int) -> bool:
     return use_kernels(x) and 0 < rank <= DOWN_IN_KERNEL_MAX_RANK and n_out <= DOWN_IN_KERNEL_MAX_OUT
 
 
-DENSE_SIDE_MAX_COLUMNS = 1024
-"""Widest ``E * r`` for which the separate rank-r side of rows read through the permutation is one dense
-GEMM of the token rows against every expert's down factor, ``[T, K] @ [K, E r]``, each row then taking
-its expert's r columns, instead of a grouped GEMM over the ``[S, K]`` rows read through the index.
-The dense product does ``E / k`` times the side's multiplies (GPT-OSS-20B: 8) but reads each token row
-once where the indexed pass reads it k times through a gather with a 16-column output (a few hundred
-GB/s on the H200); every product still has one fp32 sum and one rounding to x's dtype."""
-
-
-def dense_side(
-    x: Tensor, down: Tensor, down_is_kn: bool, a_idx: Tensor | None, scale: Tensor | None, expert_ids
-) -> bool:
-    """Whether the separate rank-r side of :func:`indexed_lora_grouped_mm` is the dense product
-    (:data:`DENSE_SIDE_MAX_COLUMNS`): on the kernel path, rows read through an index without a per-row
-    scale, the experts of the sorted rows given; on CUDA 16-bit rows only (a float32 ``torch.mm`` there
-    may take TF32, which the kernels never do)."""
-    experts, rank = down.shape[0], down.shape[2] if down_is_kn else down.shape[1]
-    return (
-        use_kernels(x)
-        and (x.device.type != "cuda" or x.dtype in (torch.bfloat16, torch.float16))
-        and a_idx is not None
-        and scale is None
-        and expert_ids is not None
-        and 0 < experts * rank <= DENSE_SIDE_MAX_COLUMNS
-    )
-
-
-def _dense_side(
-    x: Tensor, down: Tensor, down_is_kn: bool, a_idx: Tensor, div: int, expert_ids: Tensor
-) -> Tensor:
-    """``[S, r]``: ``x[a_idx[s] // div] @ D_e`` for the expert e of row s, from ``x @ [D_0 .. D_E-1]``."""
-    experts, k_in = down.shape[0], x.shape[1]
-    rank = down.shape[2] if down_is_kn else down.shape[1]
-    flat = down.permute(1, 0, 2).reshape(k_in, experts * rank) if down_is_kn else down.reshape(-1, k_in).t()
-    full = torch.mm(x, flat.to(x.dtype))  # [T, E r]: each element one fp32 sum, one rounding
-    return full.view(-1, rank).index_select(0, (a_idx // div) * experts + expert_ids)
-
-
 def indexed_lora_grouped_mm(
     x: Tensor,
     w: Tensor,
@@ -197,8 +157,7 @@ def indexed_lora_grouped_mm(
     :data:`DOWN_IN_KERNEL_MAX_OUT` columns wide, one pass: the rows are read
     once for both products (the separate pass reads all ``[S, K]`` of them again for r columns). The
     roundings are the separate passes', which run otherwise (and from then on, with a warning, where
-    the one-pass kernel does not fit the device's shared memory); their side is the dense product of
-    :func:`dense_side` where it applies.
+    the one-pass kernel does not fit the device's shared memory).
     """
     global DOWN_IN_KERNEL_MAX_RANK
     rank = down.shape[2] if down_is_kn else down.shape[1]
@@ -220,10 +179,7 @@ def indexed_lora_grouped_mm(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    if dense_side(x, down, down_is_kn, a_idx, scale, expert_ids):
-        side = _dense_side(x, down, down_is_kn, a_idx, div, expert_ids)
-    else:
-        side = indexed_grouped_mm(x, down, ends, down_is_kn, a_idx=a_idx, div=div, scale=scale)
+    side = indexed_grouped_mm(x, down, ends, down_is_kn, a_idx=a_idx, div=div, scale=scale)
     x2 = side * lora_scale
     out = indexed_grouped_mm(
         x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, expert_ids=expert_ids,

@@ -122,28 +122,6 @@ def test_ops_match_float64_and_repeat_bit_for_bit(dtype, transposed, top_k, orde
     assert all(torch.equal(a, b) for a, b in zip(again, ours, strict=True))
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("dense", [1024, 0], ids=["dense-side", "indexed-side"])
-def test_wide_outputs_separate_side_match_float64_and_repeat_bit_for_bit(transposed, dense, monkeypatch):
-    """Outputs wider than the one-pass bound make the rank-r side separately: for rows read through the
-    permutation, one dense GEMM of the token rows (``DENSE_SIDE_MAX_COLUMNS``) or the indexed pass."""
-    from lightning_sloth.moe import indexed
-
-    monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_OUT", 0)
-    monkeypatch.setattr(indexed, "DENSE_SIDE_MAX_COLUMNS", dense)
-    calls = []
-    dense_side = indexed._dense_side
-    monkeypatch.setattr(indexed, "_dense_side", lambda *a: calls.append(1) or dense_side(*a))
-    case = _inputs(torch.bfloat16, transposed, 4)
-    reference = _run(case, torch.float64, fused=False)
-    ours = _run(case, torch.bfloat16, fused=True)
-    assert bool(calls) == bool(dense)
-    for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
-        assert _rel(got, want) < 2e-2, i
-    again = _run(case, torch.bfloat16, fused=True)
-    assert all(torch.equal(a, b) for a, b in zip(again, ours, strict=True))
-
-
 def test_opcheck_triton_op_path():
     case = _inputs(torch.bfloat16, False, 2, tokens=64, experts=4, n_in=64, n_out=96, rank=8)
     g = case["grouping"]
