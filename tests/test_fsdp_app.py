@@ -161,7 +161,8 @@ def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str):
     args += ["trainer.samples=0", "trainer.num_sanity_val_steps=0", "data.num_train=64", "data.num_val=8"]
     args += ["trainer.enable_progress_bar=false"]
     flags = [o for o in overrides if o.startswith("-")]
-    args = flags + args + [o for o in overrides if not o.startswith("-")]
+    given = {o.split("=")[0]: o for o in overrides if not o.startswith("-")}  # an override replaces a default
+    args = flags + [a for a in args if a.split("=")[0] not in given] + list(given.values())
     app = Path(sys.executable).parent / "lightning-sloth"
     cluster = (
         "SLURM_",
@@ -195,6 +196,46 @@ def test_the_app_trains_a_model_made_shard_by_shard_on_two_cpu_processes(tmp_pat
     assert (out / "checkpoints" / "last.ckpt").is_dir() and (
         out / "adapter" / "adapter_model.safetensors"
     ).is_file()
+
+
+def test_the_app_with_the_base_kept_whole_exports_the_gathered_adapter(tmp_path):
+    """``trainer.fsdp_shard_frozen=false`` (what ``auto`` picks on a GPU with room): the adapters sit
+    in the root's unit, which keeps its weights gathered from forward to backward, so after the last
+    validation pass its parameters are the unsharded tensors while its state dict holds the
+    ``DTensor`` shards. The export at the end gathers those (it read the parameters' types, saved
+    the shards as they were, and rank 0 failed while rank 1 waited). Six steps, validation at 3 and
+    6, as the GPU test of the app runs them; the adapter then holds every tensor at its full shape,
+    and a second run resumes from the sharded checkpoint to step 9."""
+    import json
+
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    result = _app_on_two_cpu_ranks(
+        tmp_path,
+        f"hydra.run.dir={out}",
+        "model=tiny_base",  # the shipped base, built whole (a random model is built shard by shard)
+        "trainer.fsdp_shard_frozen=false",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+    )
+    assert "their adapters in the root's unit" in result.stdout + result.stderr
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as saved:
+        shapes = {k: saved.get_slice(k).get_shape() for k in saved.keys()}  # noqa: SIM118
+        values = [saved.get_tensor(k) for k in saved.keys()]  # noqa: SIM118
+    assert shapes and all(torch.isfinite(v).all() for v in values)
+    rank = config["r"]
+    for key, shape in shapes.items():  # lora_A [r, in], lora_B [out, r]: whole, not one rank's half
+        assert shape[0 if "lora_A" in key else 1] == rank, (key, shape)
+    hidden = json.loads((Path(config["base_model_name_or_path"]) / "config.json").read_text())["hidden_size"]
+    assert shapes["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"][0] == hidden
+    whole = [f"hydra.run.dir={out}", "model=tiny_base", "trainer.fsdp_shard_frozen=false"]
+    _app_on_two_cpu_ranks(tmp_path, *whole, "trainer.max_steps=9", "trainer.val_check_interval=3")
+    metrics = json.loads((out / "metrics.json").read_text())  # resumed from the sharded checkpoint
+    assert metrics["resumed_from"] == str(out / "checkpoints" / "last.ckpt") and metrics["steps"] == 9
 
 
 def test_a_sweep_spawns_each_jobs_two_ranks_once(tmp_path):
