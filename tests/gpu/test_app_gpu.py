@@ -10,10 +10,10 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import _processes
 import pytest
 import torch
 
@@ -31,12 +31,10 @@ QUICK = [
 
 
 def _app(out: Path, *overrides: str) -> dict:
-    result = subprocess.run(
+    result = _processes.run(  # a stuck rank is killed with its process group, the output kept
         [sys.executable, "-m", "lightning_sloth.train", *QUICK, *overrides, f"hydra.run.dir={out}"],
         cwd=out.parent,
         env={**os.environ, "HYDRA_FULL_ERROR": "1"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import _ddp
 import _fsdp
+import _processes
 import pytest
 import torch
 
@@ -182,12 +183,10 @@ def _app(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     overrides = {a.split("=")[0]: a for a in QUICK}
     overrides |= {a.split("=")[0]: a for a in args if "=" in a and not a.startswith("-")}
     flags = [a for a in args if "=" not in a or a.startswith("-")]
-    result = subprocess.run(
+    result = _processes.run(  # a stuck rank is killed with its process group, the output kept
         [str(Path(sys.executable).parent / "lightning-sloth"), *flags, *overrides.values()],
         cwd=cwd,
         env={**os.environ, "HYDRA_FULL_ERROR": "1"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
