@@ -3,6 +3,7 @@ compose into the Trainer they name (four ranks of SlothFSDPStrategy, the model s
 base), and the multi-node launch (``trainer.num_nodes=2`` under SLURM or torchrun) gives every
 process its rank without re-launching anything."""
 
+import os
 from pathlib import Path
 
 import _processes
@@ -150,9 +151,9 @@ def test_under_fsdp_a_random_model_is_built_per_shard(hydra_conf, tmp_path):
     )  # the pretrained tiny base
 
 
-def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str):
+def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str, env_extra=None, timeout=600, ok=True):
     """``lightning-sloth trainer=fsdp trainer.devices=2 model=tiny_llama`` (two short steps) on a plain
-    machine (no cluster variables); returns the finished process."""
+    machine (no cluster variables); returns the finished process (which exited 0, with ``ok``)."""
     import os
     import sys
 
@@ -175,10 +176,12 @@ def _app_on_two_cpu_ranks(tmp_path: Path, *overrides: str):
         "GROUP_RANK",
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(cluster)}  # a plain machine
+    env.update(env_extra or {})
     result = _processes.run(
-        [str(app), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+        [str(app), *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if ok:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
@@ -236,6 +239,44 @@ def test_the_app_with_the_base_kept_whole_exports_the_gathered_adapter(tmp_path)
     _app_on_two_cpu_ranks(tmp_path, *whole, "trainer.max_steps=9", "trainer.val_check_interval=3")
     metrics = json.loads((out / "metrics.json").read_text())  # resumed from the sharded checkpoint
     assert metrics["resumed_from"] == str(out / "checkpoints" / "last.ckpt") and metrics["steps"] == 9
+
+
+_FAIL_ON_RANK_0 = """
+import time
+
+import lightning_sloth.plugins.callbacks as callbacks
+
+
+def on_train_end(self, trainer, pl_module):
+    if trainer.global_rank == 0:
+        raise RuntimeError("injected failure on rank 0")
+    time.sleep(600)  # rank 1 waits, as in a collective whose peer is gone (NCCL: until its timeout)
+
+
+callbacks.SaveAdapter.on_train_end = on_train_end
+"""
+
+
+def test_a_failure_on_rank_0_stops_the_rank_it_started(tmp_path):
+    """Rank 0 fails at the end of training while rank 1 waits: the strategy's ``on_exception`` kills
+    the rank Lightning's launcher started, so the run ends with rank 0's error instead of leaving
+    rank 1 behind (the process group then outlives the app: ``_processes.run`` fails at its timeout)."""
+    import time
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FAIL_ON_RANK_0)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    start = time.monotonic()
+    result = _app_on_two_cpu_ranks(
+        tmp_path, f"hydra.run.dir={tmp_path / 'run'}", env_extra=env, timeout=240, ok=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "injected failure on rank 0" in output, output[-3000:]
+    assert "RuntimeError on this rank: stopping the 1 other local rank(s) it started" in output, output[
+        -3000:
+    ]
+    assert time.monotonic() - start < 200
 
 
 def test_a_sweep_spawns_each_jobs_two_ranks_once(tmp_path):

@@ -25,6 +25,9 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_sloth.hf_model import find_hf_model
 from lightning_sloth.plugins.shard_init import materialize_shards, weight_source
@@ -112,6 +115,24 @@ class _SlothSetup:
         report = self.apply_transformations()
         log.info("SlothStrategy applied: %s", ", ".join(report.applied) or "nothing")
         super().setup(trainer)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failure on this rank ends the ranks its launcher started on this node (Lightning's script
+        launcher, on local rank 0). They would otherwise wait in their next collective until the
+        process group times out (NCCL: minutes), holding their GPUs. Runs before Lightning's
+        teardown, which may wait on them itself. A preemption stop and Ctrl-C are Lightning's to
+        handle; ranks started by torchrun, SLURM or ``mp.spawn`` are their launcher's."""
+        super().on_exception(exception)
+        launcher = self.launcher
+        if isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
+            return
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+            log.error(
+                "%s on this rank: stopping the %d other local rank(s) it started",
+                type(exception).__name__,
+                len(launcher.procs),
+            )
+            launcher.kill(_get_sigkill_signal())
 
     def apply_transformations(self) -> SlothReport:
         """:func:`transform_model` on the LightningModule, before Lightning places and wraps it."""
