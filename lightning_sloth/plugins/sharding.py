@@ -456,18 +456,16 @@ def shard_model(
 def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
     """``module``'s state dict with every ``DTensor`` gathered, in host memory, on global rank 0.
 
-    A collective: every rank calls it; other ranks get ``{}``. Without sharded parameters it is
-    the plain ``state_dict`` (on every rank). Whether there are is read from the state dict, not
-    from ``module.parameters()``: FSDP2 registers a unit's unsharded tensors as the parameters while
-    the unit is gathered (a unit that keeps its weights from forward to backward stays gathered
-    after a validation pass), and its state dict gives the sharded ``DTensor`` s all the same.
+    A collective: every rank calls it; other ranks get ``{}``. Outside FSDP2 it is the plain
+    ``state_dict`` (on every rank). Whether FSDP2 manages the module is read from its units, not from
+    the parameters' types: FSDP2 registers a unit's unsharded tensors as the parameters while the
+    unit is gathered (a unit that keeps its weights from forward to backward stays gathered after a
+    validation pass), and its state dict gives the sharded ``DTensor`` s all the same.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.fsdp import FSDPModule
 
-    state = module.state_dict()
-    if not any(isinstance(v, DTensor) for v in state.values()):
-        return state
-    del state
+    if not any(isinstance(m, FSDPModule) for m in module.modules()):
+        return module.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(module, options=options)

@@ -123,9 +123,9 @@ class _SlothSetup:
         teardown, which may wait on them itself. A preemption stop and Ctrl-C are Lightning's to
         handle; ranks started by torchrun, SLURM or ``mp.spawn`` are their launcher's."""
         super().on_exception(exception)
-        launcher = self.launcher
         if isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
             return
+        launcher = self.launcher
         if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
             log.error(
                 "%s on this rank: stopping the %d other local rank(s) it started",
