@@ -7,7 +7,7 @@ busy time and its idle gaps (longest first, with the kernels either side), the h
 (from the start of the step until ``backward`` returns, before the synchronization) and, with
 ``cProfile``, the Python functions with the most own time::
 
-    python benchmarks/probes/moe_block_gaps.py --out gaps.json [--systems grouped_mm,sloth,sloth_fused] [--trace DIR]
+    python benchmarks/probes/moe_block_gaps.py --out gaps.json [--systems grouped_mm,sloth,sloth_fused] [--trace DIR [--stack]]
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--trace", default=None, help="a folder for a Chrome trace (host and device) of one step"
     )
+    parser.add_argument(
+        "--stack",
+        action="store_true",
+        help="the trace with Python frames and the ops' shapes (a larger file)",
+    )
     args = parser.parse_args(argv)
 
     report = {"environment": environment(), "tokens": args.tokens, "results": []}
@@ -81,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
             if args.trace:
                 os.makedirs(args.trace, exist_ok=True)
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=activities) as traced:
+                with torch.profiler.profile(
+                    activities=activities, with_stack=args.stack, record_shapes=args.stack
+                ) as traced:
                     step()
                 traced.export_chrome_trace(os.path.join(args.trace, f"{shape}_{system}.json"))
             profiler = cProfile.Profile()
