@@ -232,11 +232,17 @@ def _knob(text: str | None, parse) -> list:
     return [None if part.strip() in ("", "default") else parse(part.strip()) for part in text.split(";")]
 
 
-def _tile(part: str) -> tuple[int, ...]:
+def _tile(part: str) -> tuple:
+    """``"a,b,c,d,e"`` -> the 5-tuple; ``"K:a,b,c,d,e"`` -> ``("depth", K, 5-tuple)``: those tiles only for
+    the GEMMs with at most K inputs (``moe_fused.TILES_BY_DEPTH``), the others keep the built-in ones."""
+    depth = None
+    if ":" in part:
+        head, part = part.split(":", 1)
+        depth = int(head)
     values = tuple(int(v) for v in part.split(","))
     if len(values) != 5:
         raise ValueError(f"a tile configuration has five integers (sizes, warps, stages), got {part!r}")
-    return values
+    return values if depth is None else ("depth", depth, values)
 
 
 def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
@@ -261,7 +267,9 @@ def _set_tiles(
 
     from lightning_sloth.moe import indexed
 
-    moe_fused.TILES, moe_fused.WGRAD_TILES = tiles, wgrad
+    by_depth = tiles is not None and tiles[0] == "depth"
+    moe_fused.TILES, moe_fused.WGRAD_TILES = (None if by_depth else tiles), wgrad
+    moe_fused.TILES_BY_DEPTH = ((tiles[1], tuple(tiles[2])),) if by_depth else ()
     if _DEFAULT_DOWN_RANK_MAX is None:
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
         _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
@@ -478,7 +486,9 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"the fused-permutation comparison: --modes lora --systems {FUSED_SYSTEMS} unless given",
     )
     parser.add_argument(
-        "--fused-tiles", default=None, help="BM,BN,BK,WARPS,STAGES of the fused grouped GEMMs; several: ';'"
+        "--fused-tiles",
+        default=None,
+        help="BM,BN,BK,WARPS,STAGES of the fused grouped GEMMs (K:... for those with at most K inputs); several: ';'",
     )
     parser.add_argument(
         "--wgrad-tiles", default=None, help="BA,BB,BR,WARPS,STAGES of the fused weight gradient; several: ';'"

@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "TILES",
+    "TILES_BY_DEPTH",
     "WEIGHT_LOADS",
     "WEIGHT_LOAD_CHOICES",
     "WGRAD_TILES",
@@ -49,6 +50,11 @@ __all__ = [
 TILES: tuple[int, int, int, int, int] | None = None
 """``(BM, BN, BK, num_warps, num_stages)`` for 16-bit CUDA operands instead of the built-in choice
 (a benchmark's sweep sets it; None keeps the default)."""
+
+TILES_BY_DEPTH: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = ()
+"""``(max_in, (BM, BN, BK, num_warps, num_stages))`` pairs: a GEMM with at most ``max_in`` inputs takes
+the first pair's tiles that fits it instead of the built-in choice (a benchmark's sweep sets it, to
+try tiles on one GEMM of a block, such as the Qwen3-30B-A3B second GEMM's 768; :data:`TILES` wins)."""
 
 GROUP_M = 8
 """M tiles per group of the program order (1: N tiles fastest, one M tile at a time)."""
@@ -93,7 +99,8 @@ def _tiles(
     big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     shallow = n_in <= SHALLOW_K_MAX_IN
     built_in = (128, 256, 32, 8, 5) if shallow else (128, 256, 64, 8, 4)
-    bm, bn, bk, warps, stages = (TILES or built_in) if big else (64, 64, 32, 4, 2)
+    by_depth = next((tiles for max_in, tiles in TILES_BY_DEPTH if n_in <= max_in), None)
+    bm, bn, bk, warps, stages = (TILES or by_depth or built_in) if big else (64, 64, 32, 4, 2)
     bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
     bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
     if big and TILES is None:

@@ -11,6 +11,9 @@ def test_tile_configurations_parse_and_default():
     assert bench._tiles("default; 128,256,64,8,3") == [None, (128, 256, 64, 8, 3)]
     with pytest.raises(ValueError, match="five integers"):
         bench._tiles("128,128,64")
+    assert bench._tiles("default;768:128,128,32,8,4") == [None, ("depth", 768, (128, 128, 32, 8, 4))]
+    with pytest.raises(ValueError, match="five integers"):
+        bench._tiles("768:128,128,32")
 
 
 def test_the_sweep_moves_one_knob_at_a_time():
@@ -45,6 +48,12 @@ def test_the_knobs_reach_the_kernels_module():
     finally:
         bench._set_tiles(None, None)
     assert moe_fused.TILES is None and moe_fused.WGRAD_TILES is None
+    try:
+        bench._set_tiles(("depth", 768, (128, 128, 32, 8, 4)), None)
+        assert moe_fused.TILES is None and moe_fused.TILES_BY_DEPTH == ((768, (128, 128, 32, 8, 4)),)
+    finally:
+        bench._set_tiles(None, None)
+    assert moe_fused.TILES_BY_DEPTH == ()
 
 
 def test_the_down_rank_knob_reaches_the_ops_and_comes_back():

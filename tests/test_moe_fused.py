@@ -641,6 +641,23 @@ def test_pipeline_stages_are_what_the_shared_memory_holds(monkeypatch):
     assert kernels._tiles(torch.device("cpu"), torch.float32, 2048, 768) == (64, 64, 32, 4, 2)
 
 
+def test_tiles_by_depth_take_only_the_shallow_gemms(monkeypatch):
+    """``TILES_BY_DEPTH``: the first pair whose depth covers the GEMM's inputs; deeper GEMMs keep the
+    built-in tiles, ``TILES`` overrides both, and nothing changes off CUDA."""
+    pytest.importorskip("triton")
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kernels, "_shared_memory", lambda device: 232_448)
+    monkeypatch.setattr(kernels, "TILES_BY_DEPTH", ((768, (128, 128, 32, 8, 4)), (2048, (64, 256, 32, 4, 3))))
+    assert kernels._tiles(cuda, torch.bfloat16, 2048, 768) == (128, 128, 32, 8, 4)  # Qwen3's second GEMM
+    assert kernels._tiles(cuda, torch.bfloat16, 768, 2048) == (64, 256, 32, 4, 3)
+    assert kernels._tiles(cuda, torch.bfloat16, 2880, 2880) == (128, 256, 64, 8, 4)  # built-in
+    assert kernels._tiles(torch.device("cpu"), torch.float32, 2048, 768) == (64, 64, 32, 4, 2)
+    monkeypatch.setattr(kernels, "TILES", (128, 64, 64, 4, 3))
+    assert kernels._tiles(cuda, torch.bfloat16, 2048, 768) == (128, 64, 64, 4, 3)
+
+
 @interpreted_only
 def test_kernels_interpreted_lora_down_rank_is_checked():
     from lightning_sloth.kernels import moe_fused as kernels
