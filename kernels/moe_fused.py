@@ -99,8 +99,9 @@ def _tiles(
     big = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     shallow = n_in <= SHALLOW_K_MAX_IN
     built_in = (128, 256, 32, 8, 5) if shallow else (128, 256, 64, 8, 4)
-    by_depth = next((tiles for max_in, tiles in TILES_BY_DEPTH if n_in <= max_in), None)
-    bm, bn, bk, warps, stages = (TILES or by_depth or built_in) if big else (64, 64, 32, 4, 2)
+    if big and TILES is None and TILES_BY_DEPTH:  # a sweep's knob: nothing to search per call otherwise
+        built_in = next((tiles for max_in, tiles in TILES_BY_DEPTH if n_in <= max_in), built_in)
+    bm, bn, bk, warps, stages = (TILES or built_in) if big else (64, 64, 32, 4, 2)
     bn = max(16, min(bn, triton.next_power_of_2(max(n_out, 1))))
     bk = max(16, min(bk, triton.next_power_of_2(max(n_in, 1))))
     if big and TILES is None:
