@@ -369,3 +369,16 @@ def test_kernels_under_triton_interpreter():
     assert result.returncode == 0 and " passed" in result.stdout, (
         result.stdout[-5000:] + result.stderr[-2000:]
     )
+
+
+@pytest.mark.parametrize("experts", [5, 256, 257, 40000])
+def test_grouping_with_narrow_sort_keys_matches_the_int64_sort(experts):
+    """The sort's keys are uint8/int16 where the ids fit: the same stable order, int64 ids out."""
+    gen = torch.Generator().manual_seed(experts)
+    index = torch.randint(0, experts, (300, 4), generator=gen)
+    index[0, 0], index[-1, -1] = 0, experts - 1  # both ends of the id range
+    g = group_by_expert(index, experts)
+    ids, perm = torch.sort(index.reshape(-1), stable=True)
+    assert torch.equal(g.perm, perm) and g.expert_ids.dtype == torch.int64 and torch.equal(g.expert_ids, ids)
+    assert torch.equal(g.counts.long(), torch.bincount(index.reshape(-1), minlength=experts))
+    assert int(g.ends[-1]) == index.numel()
