@@ -6,12 +6,15 @@ dispatch and the Triton launches. For the fused path of each shape this probe re
 
 - ``prefix_us``: host time from the block's call to the entry of the first expert GEMM
   (``lightning_sloth.kernels.moe_fused.grouped_mm``), median of synchronised steps;
-- ``idle_before_first_gemm_us``: the GPU's idle time before the first expert GEMM kernel starts, in
-  one step profiled for CUDA activity only;
+- ``checkpoints_us``: the same for each stage on the way (the router's return, PEFT's factors,
+  ``experts_forward``, the grouping, the first projection, the op's call);
 - ``pieces_us``: host time of each piece alone, the median of repeated enqueues: the stable sort of
   the int64 expert ids against the narrow keys :func:`~lightning_sloth.moe.routing.group_by_expert`
-  sorts, the grouping, the PEFT factors (``experts_and_lora``), the tile table's launch, one fused grouped GEMM's launch (a small one), a whole
-  forward and a whole forward + backward.
+  sorts, the grouping, the PEFT factors (``experts_and_lora``), the router's linear, the tile table's
+  launch, one fused grouped GEMM's launch (a small one), a whole forward and a whole forward + backward;
+- ``after_sync_us``: the router and the whole forward called right after a synchronisation, with and
+  without a 10 ms wait for the GPU before it (as a synchronised step waits for the previous one), and
+  called again.
 
 ::
 
@@ -65,27 +68,6 @@ def after_sync_us(fns: dict, reps: int = 50, wait_ms: float = 0.0) -> dict[str, 
             fn()
             times[name].append((time.perf_counter() - start) * 1e6)
     return {name: statistics.median(values) for name, values in times.items()}
-
-
-def idle_before(kernels: list[tuple[float, float, str]], marker: str) -> tuple[float, float]:
-    """``(idle_us, span_us)`` from the first kernel's start to the first one named with ``marker``:
-    the span and the part of it no kernel covered. ``kernels``: ``(start_us, end_us, name)``."""
-    kernels = sorted(kernels)
-    if not kernels:
-        return 0.0, 0.0
-    origin = kernels[0][0]
-    target = next((start for start, _, name in kernels if marker in name), None)
-    if target is None:
-        return float("nan"), float("nan")
-    busy, covered_to = 0.0, origin
-    for start, stop, _ in kernels:
-        if start >= target:
-            break
-        stop = min(stop, target)
-        if stop > covered_to:
-            busy += stop - max(start, covered_to)
-            covered_to = stop
-    return (target - origin) - busy, target - origin
 
 
 def _checkpoints(block, stamps: dict[str, float]) -> list[tuple[object, str, object]]:
@@ -147,7 +129,6 @@ def probe_shape(bench, shape: str, args) -> dict:
     stamps: dict[str, float] = {}
     patches = _checkpoints(block, stamps)
     try:
-        prefixes = []
         for _ in range(args.steps):
             torch.cuda.synchronize()
             stamps.clear()
@@ -155,24 +136,11 @@ def probe_shape(bench, shape: str, args) -> dict:
             bench._step(block, x, grad)
             for name, at in stamps.items():
                 marks.setdefault(name, []).append((at - start) * 1e6)
-            prefixes.append(
-                (stamps["first_expert_gemm"] - start) * 1e6 if "first_expert_gemm" in stamps else float("nan")
-            )
         torch.cuda.synchronize()
     finally:
         for module, name, original in reversed(patches):
             setattr(module, name, original)
     checkpoints = {name: statistics.median(values) for name, values in marks.items()}
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        bench._step(block, x, grad)
-        torch.cuda.synchronize()
-    kernels = [
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    ]
-    idle, span = idle_before(kernels, "grouped_mm_kernel")
 
     experts = next(m for m in block.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts"))
     wrapper = next(m for m in block.modules() if type(m).__name__ == "ParamWrapper")
@@ -205,48 +173,8 @@ def probe_shape(bench, shape: str, args) -> dict:
         "forward": host_us(lambda: block(x), reps=30, sync_every=1),
         "forward_backward": host_us(lambda: bench._step(block, x, grad), reps=30, sync_every=1),
     }
-    # The host's own timeline of the prefix: the CPU-side ops of one warm step (no Python tracing),
-    # each with its start and length, up to the first expert GEMM's launch.
-    for _ in range(2):
-        bench._step(block, x, grad)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as host_prof:
-        with torch.profiler.record_function("step"):
-            bench._step(block, x, grad)
-        torch.cuda.synchronize()
-    host_ops = sorted(
-        (
-            e.time_range.start,
-            e.time_range.end - e.time_range.start,
-            e.name,
-            e.cpu_parent is None or e.cpu_parent.name == "step",
-        )
-        for e in host_prof.events()
-        if e.device_type == torch.autograd.DeviceType.CPU
-    )
-    step_start = next(start for start, _, name, _ in host_ops if name == "step")
-    host_timeline = [
-        (round(start - step_start, 1), round(length, 1), name)
-        for start, length, name, top in host_ops
-        if top and name != "step" and start - step_start < args.timeline_us
-    ]
-    small = torch.randn(64, device="cuda")
     h = x.view(-1, hidden)
-    h32, w32 = h.detach().float(), router.weight.detach().float()
     sequences = {
-        "router_linear_first": after_sync_us(
-            {"linear": lambda: router_linear(h), "linear_again": lambda: router_linear(h)}
-        ),
-        "add_first": after_sync_us(
-            {
-                "add": lambda: small + 1,
-                "linear": lambda: router_linear(h),
-                "linear_again": lambda: router_linear(h),
-            }
-        ),
-        "router_linear_fp32_first": after_sync_us(
-            {"linear_fp32": lambda: torch.nn.functional.linear(h32, w32), "linear": lambda: router_linear(h)}
-        ),
         "router_first_after_10ms_wait": after_sync_us(
             {"router": lambda: router(h), "router_again": lambda: router(h)}, reps=20, wait_ms=10.0
         ),
@@ -264,12 +192,9 @@ def probe_shape(bench, shape: str, args) -> dict:
     return {
         "shape": shape,
         "after_sync_us": sequences,
-        "host_timeline": host_timeline,
         "event_median_ms": timing["median_ms"],
-        "prefix_us": statistics.median(prefixes),
+        "prefix_us": checkpoints.get("first_expert_gemm", float("nan")),
         "checkpoints_us": dict(sorted(checkpoints.items(), key=lambda item: item[1])),
-        "idle_before_first_gemm_us": idle,
-        "first_gemm_at_us": span,
         "pieces_us": pieces,
     }
 
@@ -284,9 +209,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system", default="sloth_fused")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument(
-        "--timeline-us", type=float, default=1500.0, help="how much of the step's host timeline to keep"
-    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -295,16 +217,13 @@ def main(argv: list[str] | None = None) -> dict:
         row = probe_shape(bench, shape, args)
         report["results"].append(row)
         print(
-            f"{shape:14s} event {row['event_median_ms']:6.2f} ms  host to first expert GEMM {row['prefix_us']:6.0f} us"
-            f"  GPU idle before it {row['idle_before_first_gemm_us']:6.0f} of {row['first_gemm_at_us']:6.0f} us",
+            f"{shape:14s} event {row['event_median_ms']:6.2f} ms  host to first expert GEMM {row['prefix_us']:6.0f} us",
             flush=True,
         )
         for name, value in row["checkpoints_us"].items():
             print(f"    at {name:31s} {value:8.1f} us")
         for name, value in row["pieces_us"].items():
             print(f"    {name:34s} {value:8.1f} us")
-        for start, length, name in row["host_timeline"]:
-            print(f"    host {start:8.1f} +{length:7.1f} us  {name[:70]}")
         for name, seq in row["after_sync_us"].items():
             print(f"    after a sync, {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in seq.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -109,7 +109,7 @@ def group_by_expert(top_k_index: Tensor, num_experts: int) -> Grouping:
 
 
 def sort_key_dtype(num_experts: int) -> torch.dtype:
-    """The narrowest integer dtype that holds the expert ids ``0..num_experts-1``: the sort's keys."""
+    """The sort's key dtype for expert ids ``0..num_experts-1``: ``uint8`` or ``int16`` where they fit, else ``int64``."""
     if num_experts <= 256:
         return torch.uint8
     return torch.int16 if num_experts <= 2**15 else torch.int64
