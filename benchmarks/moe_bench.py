@@ -1,6 +1,6 @@
 """One MoE layer, forward + backward: lightning_sloth's experts vs transformers' ``eager`` and ``grouped_mm``.
 
-Shapes (bf16, one layer, random weights, transformers' own router):
+Shapes (bf16, one layer, random weights):
 
 - ``qwen3_30b_a3b``: hidden 2048, 128 experts, top-8, expert intermediate 768 (``Qwen3MoeSparseMoeBlock``);
 - ``gpt_oss_20b``: hidden 2880, 32 experts, top-4, expert intermediate 2880 (``GptOssMLP``).
@@ -57,6 +57,14 @@ through the permutation, from a gathered copy (``GATHERED_ROWS_GROUPED_MM``); ``
 ``--weight-loads "pointer;tma;tma_ws"`` is a fifth: how the fused GEMMs load their weight tiles
 (``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads, a TMA descriptor, or a
 descriptor in a warp-specialised K loop.
+
+The router: every system runs transformers' own (bf16 logits), so the systems differ in their experts
+only. ``--router sloth`` gives lightning_sloth's systems the router ``apply_experts`` installs on a
+model instead (``lightning_sloth.patching.install_router``: float32 logits; the GEMM, the top k and
+the weights in one ``sloth::moe_router_topk`` kernel); its float32 logits choose other experts than
+the bf16 ones where two nearly tie, so its output differs more from ``grouped_mm``'s::
+
+    python benchmarks/moe_bench.py --fused --router sloth
 
 The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
 configurations N times each, interleaved (every configuration once per round), and pools their steps
@@ -136,14 +144,30 @@ def _with_lora(block: torch.nn.Module) -> torch.nn.Module:
     return block
 
 
+ROUTERS = ("transformers", "sloth")
+ROUTER = "transformers"
+"""Which router lightning_sloth's systems run (``--router``): transformers' own, or the plugin's
+(``install_router``); transformers' systems always run their own."""
+
+
+def _set_router(name: str) -> None:
+    global ROUTER
+    ROUTER = name
+
+
 def _select(block: torch.nn.Module, system: str) -> None:
     from lightning_sloth.moe import install_lora_experts, register, uninstall_lora_experts
     from lightning_sloth.moe.fp8 import quantize_experts_fp8
     from lightning_sloth.moe.fused import set_fused_permutation
     from lightning_sloth.moe.quant import quantize_experts
+    from lightning_sloth.patching import install_router, uninstall_router
 
     register()
     experts = next(m for m in block.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts"))
+    router = getattr(block, "router", None) or block.gate
+    uninstall_router(router)
+    if system.startswith("sloth") and ROUTER == "sloth":
+        install_router(router, experts.config.model_type, experts.config)
     set_fused_permutation(system.startswith("sloth_fused"))
     if system.endswith("_nf4"):  # in place (idempotent): these systems run last
         quantize_experts(experts, "nf4")
@@ -516,6 +540,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="M tiles per group of the fused GEMMs' program order (1: N fastest)",
     )
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=ROUTER,
+        help="lightning_sloth's systems run transformers' router (transformers) or the plugin's (sloth)",
+    )
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default=None, help="frozen,lora (--fused: lora)")
@@ -543,6 +573,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])
+    _set_router(args.router)
     if args.group_m is not None:
         from lightning_sloth.kernels import moe_fused
 
@@ -563,6 +594,7 @@ def main(argv: list[str] | None = None) -> dict:
         "down_rank_max": args.down_rank_max,
         "grouped_mm": args.grouped_mm,
         "group_m": args.group_m,
+        "router": args.router,
         "rounds": args.rounds,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},

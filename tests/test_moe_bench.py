@@ -1,4 +1,4 @@
-"""benchmarks/moe_bench.py's pure parts on the CPU: the tile sweep's configurations."""
+"""benchmarks/moe_bench.py's pure parts on the CPU: the tile sweep's configurations, the router knob."""
 
 import pytest
 from _scripts import benchmark_script
@@ -92,3 +92,29 @@ def test_the_summary_gives_the_back_to_back_ratio_beside_the_synchronised_one():
     line = bench.summary({"results": {"shape/lora": result}}).splitlines()[1]
     assert "30.00 ms" in line and "10.00 ms" in line
     assert "3.00x" in line and "(back to back: 4.00x vs grouped_mm)" in line
+
+
+def test_the_router_knob_installs_the_plugins_router_on_sloth_systems_only():
+    """``--router sloth`` gives lightning_sloth's systems the router apply_experts installs; transformers'
+    systems, and every system by default, run transformers' own."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from lightning_sloth.moe.fused import fused_permutation_setting, set_fused_permutation
+    from lightning_sloth.patching import patched_op
+
+    block = GptOssMLP(
+        GptOssConfig(hidden_size=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
+    )
+    switch = fused_permutation_setting()  # _select sets the process-wide switch
+    try:
+        bench._select(block, "sloth")
+        assert patched_op(block.router) is None  # the default: transformers' router
+        bench._set_router("sloth")
+        bench._select(block, "sloth_fused")
+        assert patched_op(block.router) == "moe_router"
+        bench._select(block, "grouped_mm")
+        assert patched_op(block.router) is None
+    finally:
+        bench._set_router("transformers")
+        set_fused_permutation(switch)

@@ -3,6 +3,8 @@
 Rooms:
 
 - :mod:`.routing`: per-family routers and :func:`group_by_expert` (sort, counts, int32 ends);
+- :mod:`.router`: the softmax/top-k families' router as one ``sloth::moe_router_topk`` op (one Triton
+  kernel on CUDA: the float32 logits, the top k and the weights; one for its backward);
 - :mod:`.gemm`: the grouped GEMM ops, with and without per-expert LoRA;
 - :mod:`.ops`: the other ``sloth::moe_*`` ops (gather, activations, combine);
 - :mod:`.layouts`: how each family stores its experts, and the names the "sloth" experts go by;

@@ -105,8 +105,13 @@ _EAGER: dict[str, Callable[..., object]] = {}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callable) -> None:
+def register_autograd(
+    op: CustomOpDef, backward: Callable, setup_context: Callable, *, none_grads: bool = False
+) -> None:
     """``op.register_autograd(backward, setup_context=...)``, plus the same formula for :func:`call`.
+
+    With ``none_grads`` the backward takes None for an output nothing used (on the eager path; the
+    library path may still pass zeros), instead of a zero tensor made for it.
 
     The eager path is a ``torch.autograd.Function`` with the op's body as its forward and the very
     ``setup_context``/``backward`` registered on the op, so both paths compute the same thing. Its
@@ -134,7 +139,7 @@ def register_autograd(op: CustomOpDef, backward: Callable, setup_context: Callab
         return output
 
     def eager_backward(ctx, *grads):
-        if any(g is None for g in grads):
+        if not none_grads and any(g is None for g in grads):
             grads = tuple(
                 torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None and meta is not None else g
                 for g, meta in zip(grads, ctx.sloth_outputs)

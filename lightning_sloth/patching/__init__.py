@@ -24,7 +24,13 @@ from lightning_sloth.patching._apply import (
 )
 from lightning_sloth.patching._forwards import layer_output_unread, patched_op, takes_target_count
 from lightning_sloth.patching.compile import compile_blocks, decoder_blocks
-from lightning_sloth.patching.experts import ExpertsReport, apply_experts, moe_families
+from lightning_sloth.patching.experts import (
+    ExpertsReport,
+    apply_experts,
+    install_router,
+    moe_families,
+    uninstall_router,
+)
 from lightning_sloth.patching.families import FAMILIES, Family, NormStyle
 from lightning_sloth.patching.support import SupportRow, read_test_sources, support_markdown, support_matrix
 
@@ -42,6 +48,7 @@ __all__ = [
     "chunk_mlps",
     "compile_blocks",
     "decoder_blocks",
+    "install_router",
     "layer_output_unread",
     "moe_families",
     "patched_op",
@@ -49,5 +56,6 @@ __all__ = [
     "support_markdown",
     "support_matrix",
     "takes_target_count",
+    "uninstall_router",
     "unpatch",
 ]

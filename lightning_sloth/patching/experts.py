@@ -28,6 +28,7 @@ from lightning_sloth.moe import (
 )
 from lightning_sloth.moe.layouts import experts_model_type
 from lightning_sloth.moe.peft import experts_and_lora
+from lightning_sloth.moe.router import fused_router_rule, route_topk
 from lightning_sloth.moe.routing import ROUTERS, router_logits
 from lightning_sloth.moe.switch import FUSED_ATTR, fused_permutation_setting
 from lightning_sloth.patching import _forwards
@@ -35,7 +36,15 @@ from lightning_sloth.patching.families import FAMILIES, Family
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExpertsReport", "apply_experts", "moe_families", "router_forward", "scaled_input_block_forward"]
+__all__ = [
+    "ExpertsReport",
+    "apply_experts",
+    "install_router",
+    "moe_families",
+    "router_forward",
+    "scaled_input_block_forward",
+    "uninstall_router",
+]
 
 _MOE_OPS = ("moe_router", "moe_block")
 
@@ -176,8 +185,11 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
         kind = "routers" if isinstance(module, routers) else "blocks" if isinstance(module, blocks) else None
         if kind is None or _forwards.has_foreign_forward(module):
             continue
-        module._sloth_model_type, module._sloth_config = moe_type, moe_config
-        _forwards.install(module, router_forward if kind == "routers" else scaled_input_block_forward)
+        if kind == "routers":
+            install_router(module, moe_type, moe_config)
+        else:
+            module._sloth_model_type, module._sloth_config = moe_type, moe_config
+            _forwards.install(module, scaled_input_block_forward)
         getattr(report, kind).append(name)
     report.implementation = EXPERTS_NAME if report.blocks else config._experts_implementation
     log.info(
@@ -193,6 +205,32 @@ def apply_experts(model: nn.Module, enabled: bool | str = True) -> ExpertsReport
     return report
 
 
+def install_router(router: nn.Module, model_type: str, config) -> None:
+    """Give one top-k router :func:`router_forward` (what :func:`apply_experts` does to each router of
+    a model): float32 logits and the family's rule, one ``sloth::moe_router_topk`` op where it applies.
+
+    Args:
+        router: a router module of the family (``weight [E, H]``, optional ``bias``, ``hidden_dim``).
+        model_type: the family's ``model_type`` (a key of ``lightning_sloth.moe.ROUTERS``).
+        config: the experts' (text) config (``num_experts_per_tok`` and the family's routing fields).
+
+    Raises:
+        NotImplementedError: a family without a router rule.
+    """
+    if model_type not in ROUTERS:
+        raise NotImplementedError(f"no router rule for model type {model_type!r}; known: {sorted(ROUTERS)}")
+    router._sloth_model_type, router._sloth_config = model_type, config
+    _forwards.install(router, router_forward)
+
+
+def uninstall_router(router: nn.Module) -> bool:
+    """Give a router its class's forward back; whether :func:`install_router` had been applied."""
+    if _forwards.patched_op(router) != "moe_router":
+        return False
+    _forwards.restore(router)
+    return True
+
+
 @_forwards._op_forward("moe_router")
 def router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A transformers top-k router's forward with float32 logits and the family's routing.
@@ -200,7 +238,11 @@ def router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tens
     Returns ``(router_logits [T, E] float32, weights [T, k], index [T, k])`` like the class's.
     """
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    logits = router_logits(hidden_states, self.weight, getattr(self, "bias", None))
+    bias = getattr(self, "bias", None)
+    rule = fused_router_rule(self._sloth_model_type, self._sloth_config)
+    if rule is not None:  # one op (one kernel on CUDA): the GEMM, the top k and the weights
+        return route_topk(hidden_states, self.weight, bias, self._sloth_config.num_experts_per_tok, *rule)
+    logits = router_logits(hidden_states, self.weight, bias)
     weights, index = ROUTERS[self._sloth_model_type](logits, self._sloth_config, self)
     return logits, weights, index
 
