@@ -65,7 +65,8 @@ def _router_topk_kernel(
     )
 
     neg_inf = float("-inf")
-    work = tl.where(col_mask[None, :], acc, neg_inf)
+    masked = tl.where(col_mask[None, :], acc, neg_inf)  # the padding experts never chosen
+    work = masked
     top = tl.max(work, axis=1)
     slots = tl.arange(0, KP)
     values = tl.full((BM, KP), neg_inf, dtype=tl.float32)
@@ -79,7 +80,7 @@ def _router_topk_kernel(
         index = tl.where(slots[None, :] == j, at[:, None], index)
         work = tl.where(cols[None, :] == at[:, None], neg_inf, work)
     if SOFTMAX_FIRST:
-        total = tl.sum(tl.exp(tl.where(col_mask[None, :], acc, neg_inf) - top[:, None]), axis=1)
+        total = tl.sum(tl.exp(masked - top[:, None]), axis=1)
         weights = tl.exp(values - top[:, None]) / total[:, None]
         if NORMALIZE:
             weights = weights / tl.sum(weights, axis=1)[:, None]
@@ -178,7 +179,6 @@ def _router_backward_kernel(
             mask=row_mask[:, None] & col_mask[None, :],
             other=float("-inf"),
         )
-        logits = tl.where(col_mask[None, :], logits, float("-inf"))
         top = tl.max(logits, axis=1)
         top = tl.where(top == float("-inf"), 0.0, top)
         p = tl.exp(logits - top[:, None])

@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,28 +35,9 @@ from lightning_sloth.moe import peft as moe_peft  # noqa: E402
 
 
 def timed(block, x, grad, steps=20):
-    """``(median ms of synchronised steps, ms per step back to back)``."""
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        s.record()
-        bench._step(block, x, grad)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-        x.grad = None
-        for p in block.parameters():
-            p.grad = None
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        bench._step(block, x, grad)
-        x.grad = None
-        for p in block.parameters():
-            p.grad = None
-    torch.cuda.synchronize()
-    return statistics.median(times), (time.perf_counter() - t0) * 1e3 / steps
+    """``(median ms of synchronised steps, ms per step back to back)``: ``moe_bench.measure``'s two figures."""
+    timing = bench.measure(block, x, grad, warmup=0, timed=steps)
+    return timing["median_ms"], timing["pipelined_ms"]
 
 
 def run(shape, out):
