@@ -66,6 +66,13 @@ the bf16 ones where two nearly tie, so its output differs more from ``grouped_mm
 
     python benchmarks/moe_bench.py --fused --router sloth
 
+``--graphs`` also captures each system's step (forward and backward) as one CUDA graph and times its
+replays, synchronised and back to back: the device's time for the step without the host's launch gaps.
+The replay's output and input gradient are checked against an eager step on the same input
+(``graph_vs_eager_rel_diff``); a system whose step cannot be captured reports why::
+
+    python benchmarks/moe_bench.py --fused --graphs
+
 The block's time moves by about 5% between runs on one device; ``--rounds N`` times the sweep's
 configurations N times each, interleaved (every configuration once per round), and pools their steps
 (``round_medians_ms`` lists each round's median)::
@@ -234,6 +241,78 @@ def measure(block, x, grad, warmup: int, timed: int, pipelined: bool = True) -> 
     }
 
 
+def _clear_grads(block, x) -> None:
+    x.grad = None
+    for param in block.parameters():
+        param.grad = None
+
+
+def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
+    """The step (forward and backward) captured once as a CUDA graph and replayed: synchronised
+    replays' times and the same replays back to back. A graph's replay is one launch, so these are the
+    device's time for the step without the host's launch gaps (the method for many small launches).
+    A step that cannot be captured (a host sync, a host-side copy) gives ``{"error": ...}``.
+
+    Also the replay's output and input gradient against one eager step on the same input
+    (``graph_vs_eager_rel_diff``): a replay must compute what the eager step computes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        for _ in range(warmup):
+            _step(block, x, grad)
+            _clear_grads(block, x)
+    torch.cuda.current_stream().wait_stream(side)
+    eager_out = _step(block, x, grad).detach().float()
+    eager_grad = x.grad.detach().float()
+    _clear_grads(block, x)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            static_out = _step(block, x, grad)
+    except Exception as error:  # a sync or a host copy inside the step: not capturable
+        torch.cuda.synchronize()
+        _clear_grads(block, x)
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm().clamp_min(1e-30))
+
+    diffs = {"output": rel(static_out, eager_out), "input_grad": rel(x.grad, eager_grad)}
+    times = []
+    for _ in range(timed):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(timed):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    result = {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "times_ms": times,
+        "timed_steps": timed,
+        "pipelined_ms": start.elapsed_time(end) / timed,
+        "peak_over_base_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "graph_vs_eager_rel_diff": diffs,
+    }
+    del graph, static_out
+    _clear_grads(block, x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return result
+
+
 def profile(block, x, grad, path: str, title: str) -> None:
     """Append the CUDA kernels of two steps, by total device time, to ``path``."""
     from torch.profiler import ProfilerActivity
@@ -375,6 +454,7 @@ def run_case(
     profile_path: str | None = None,
     variants: list[tuple] | None = None,
     rounds: int = 1,
+    graphs: bool = False,
 ) -> dict:
     block = _block(shape)
     for param in block.parameters():
@@ -394,6 +474,8 @@ def run_case(
             outputs[system] = (out[0] if isinstance(out, tuple) else out).float()
             steps = max(3, timed // 4) if system == "eager" else timed
             results[system] = measure(block, x, grad, warmup if system != "eager" else 1, steps)
+            if graphs and system != "eager":
+                results[system]["graphed"] = measure_graphed(block, x, grad, warmup, timed)
             if profile_path and system != "eager":
                 profile(block, x, grad, profile_path, f"{shape}/{mode}/{system}")
         except torch.OutOfMemoryError as error:
@@ -415,6 +497,12 @@ def run_case(
                 results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
             if "pipelined_ms" in other:
                 results[f"fused_pipelined_speedup_vs_{name}"] = other["pipelined_ms"] / fused["pipelined_ms"]
+            mine, theirs = fused.get("graphed", {}), other.get("graphed", {})
+            if "median_ms" in mine and "median_ms" in theirs:
+                results[f"fused_graphed_speedup_vs_{name}"] = theirs["median_ms"] / mine["median_ms"]
+                results[f"fused_graphed_pipelined_speedup_vs_{name}"] = (
+                    theirs["pipelined_ms"] / mine["pipelined_ms"]
+                )
     if variants and len(variants) > 1:
         sweep = [
             {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o, "weight_loads": ld}
@@ -480,6 +568,20 @@ def summary(report: dict) -> str:
         if back_to_back is not None:
             tail += f" (back to back: {back_to_back:.2f}x vs grouped_mm)"
         lines.append(case.ljust(26) + cells + "  " + tail)
+        graphed = {s: result[s]["graphed"] for s in systems if "graphed" in result.get(s, {})}
+        if graphed:
+            cells = "".join(
+                (
+                    f"{graphed[s]['median_ms']:.2f} ms"
+                    if "median_ms" in graphed.get(s, {})
+                    else ("not captured" if s in graphed else "-")
+                ).rjust(17)
+                for s in systems
+            )
+            ratio = result.get("fused_graphed_speedup_vs_grouped_mm")
+            back = result.get("fused_graphed_pipelined_speedup_vs_grouped_mm")
+            tail = "-" if ratio is None else f"{ratio:.2f}x vs grouped_mm (back to back: {back:.2f}x)"
+            lines.append("  as a CUDA graph".ljust(26) + cells + "  " + tail)
         for entry in result.get("sweep", []):
             label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
             if entry.get("down_rank_max") is not None:
@@ -546,6 +648,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=ROUTER,
         help="lightning_sloth's systems run transformers' router (transformers) or the plugin's (sloth)",
     )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time each system's step captured as one CUDA graph (the device's time, no launch gaps)",
+    )
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default=None, help="frozen,lora (--fused: lora)")
@@ -596,6 +703,7 @@ def main(argv: list[str] | None = None) -> dict:
         "group_m": args.group_m,
         "router": args.router,
         "rounds": args.rounds,
+        "graphs": args.graphs,
         "lora": {"r": 16, "alpha": 32, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
         "results": {},
@@ -612,6 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.profile,
                 variants,
                 args.rounds,
+                args.graphs,
             )
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

@@ -94,6 +94,22 @@ def test_the_summary_gives_the_back_to_back_ratio_beside_the_synchronised_one():
     assert "3.00x" in line and "(back to back: 4.00x vs grouped_mm)" in line
 
 
+def test_the_summary_gives_the_graphed_replays_and_names_a_step_that_was_not_captured():
+    result = {
+        "grouped_mm": {"median_ms": 30.0, "graphed": {"median_ms": 28.0, "pipelined_ms": 27.0}},
+        "sloth": {"median_ms": 12.0, "graphed": {"error": "RuntimeError: capture failed"}},
+        "sloth_fused": {"median_ms": 10.0, "graphed": {"median_ms": 8.0, "pipelined_ms": 7.5}},
+        "fused_speedup_vs_grouped_mm": 3.0,
+        "fused_graphed_speedup_vs_grouped_mm": 3.5,
+        "fused_graphed_pipelined_speedup_vs_grouped_mm": 3.6,
+    }
+    lines = bench.summary({"results": {"shape/lora": result}}).splitlines()
+    graphed = lines[2]
+    assert graphed.startswith("  as a CUDA graph")
+    assert "28.00 ms" in graphed and "8.00 ms" in graphed and "not captured" in graphed
+    assert "3.50x vs grouped_mm (back to back: 3.60x)" in graphed
+
+
 def test_the_router_knob_installs_the_plugins_router_on_sloth_systems_only():
     """``--router sloth`` gives lightning_sloth's systems the router apply_experts installs; transformers'
     systems, and every system by default, run transformers' own."""

@@ -285,11 +285,14 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
     """One MoE layer (``benchmarks/moe_bench.py``): median ms and peak over the layer's inputs per
     experts implementation, with the speed-up and the memory ratio against ``grouped_mm``; a column
     for 4-bit experts (``sloth_nf4``), one for the fused permutation (``sloth_fused``, with its
-    own speed-up) and one for FP8 experts (``sloth_fp8``, with its speed-up) where a file measured them."""
+    own speed-up) and one for FP8 experts (``sloth_fp8``, with its speed-up) where a file measured them;
+    with ``--graphs``, a column for the step captured as one CUDA graph (``grouped_mm`` / fused, the
+    fused speed-up)."""
     results = [result for report in reports for result in report["results"].values()]
     nf4 = any("sloth_nf4" in result for result in results)
     fused = any("sloth_fused" in result for result in results)
     fp8 = any("sloth_fp8" in result for result in results)
+    graphed = any("fused_graphed_speedup_vs_grouped_mm" in result for result in results)
     impls = (
         ["eager", "grouped_mm", "sloth"] + (["sloth_nf4"] if nf4 else []) + (["sloth_fused"] if fused else [])
     )
@@ -301,6 +304,7 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
     header += ["speed-up vs `grouped_mm`"]
     header += ["fused: speed-up vs `grouped_mm` / vs lightning_sloth"] if fused else []
     header += ["FP8: speed-up vs `grouped_mm`"] if fp8 else []
+    header += ["as one CUDA graph: `grouped_mm` / fused, speed-up"] if graphed else []
     header += ["peak vs `grouped_mm`"]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     for report in reports:
@@ -328,6 +332,13 @@ def render_moe_layer(reports: list[dict], sources: list[str], params: dict) -> s
                 cells.append(f"{num(vs_mm, '.2f')}× / {num(vs_sloth, '.2f')}×")
             if fp8:
                 cells.append(f"{num(result.get('fp8_speedup_vs_grouped_mm'), '.2f')}×")
+            if graphed:
+                theirs = result.get("grouped_mm", {}).get("graphed", {}).get("median_ms")
+                mine = result.get("sloth_fused", {}).get("graphed", {}).get("median_ms")
+                ratio = result.get("fused_graphed_speedup_vs_grouped_mm")
+                cells.append(
+                    f"{num(theirs, '.1f')} / {num(mine, '.1f')} ms, {num(ratio, '.2f')}×" if ratio else DASH
+                )
             cells.append(num(memory, ".2f"))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     tokens = reports[-1].get("tokens")

@@ -1,6 +1,7 @@
 """CUDA graphs of the checkpointed layers (``cuda_graphs=True``): replays give eager's losses and
 gradients step after step, with different batches of one shape, with offload, with gradient
-accumulation, with a new shape mid-run, and without a device sync once captured.
+accumulation, with a new shape mid-run, with MoE layers (LoRA on the experts, the fused permutation
+and the separate passes), and without a device sync once captured.
 
 Run on the GPU machine with ``pytest -m gpu tests/gpu/test_cuda_graphs_gpu.py``.
 """
@@ -12,7 +13,7 @@ import math
 
 import pytest
 import torch
-from _models import add_lora, random_documents, tiny_llama, tiny_qwen3
+from _models import VOCAB, add_lora, random_documents, tiny_llama, tiny_qwen3
 
 from lightning_sloth.data import PackedCollator
 from lightning_sloth.transform import transform_model
@@ -36,6 +37,46 @@ def _model(family: str, dtype: torch.dtype = torch.float32):
     overrides = dict(SHAPE, head_dim=16) if family == "qwen3" else SHAPE
     model = add_lora(make(seed=0, **overrides)).to("cuda")
     if dtype != torch.float32:  # bf16 base weights, float32 adapters (PEFT's mixed setup)
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                p.data = p.data.to(dtype)
+    return model.train()
+
+
+def _moe_model(dtype: torch.dtype = torch.float32):
+    """A tiny Qwen3-MoE causal LM (8 experts, top-2) with PEFT LoRA on attention and on both expert
+    weights (``target_parameters``), non-zero ``lora_B``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        **dict(SHAPE, head_dim=16),
+        vocab_size=VOCAB,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    lora = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "o_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+    model = get_peft_model(model, lora)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    model = model.to("cuda")
+    if dtype != torch.float32:
         for name, p in model.named_parameters():
             if "lora_" not in name:
                 p.data = p.data.to(dtype)
@@ -126,6 +167,40 @@ def test_replays_match_eager_across_batches(family):
     got = _train(graphed, batches)
     _assert_same(got, want)
     _assert_counts(graphs, batches)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-permutation", "separate-passes"])
+def test_moe_layers_replay_like_eager(fused):
+    """MoE layers (LoRA on the experts, routers and grouping on the device) are graphed like dense
+    ones: the routing is sync-free and its buffers are sized from static bounds, so one capture per
+    key replays every later batch; losses and every trainable gradient equal eager's."""
+    from lightning_sloth.moe.fused import fused_permutation_setting, set_fused_permutation
+
+    before = fused_permutation_setting()
+    set_fused_permutation(fused)
+    try:
+        eager = _moe_model()
+        graphed = copy.deepcopy(eager)
+        report = transform_model(eager, kernels=True)
+        assert report.experts.implementation == "sloth"
+        graphs = transform_model(graphed, kernels=True, cuda_graphs=True).checkpointing.graphs
+        batches = _batches(5, seed=8)
+        want = _train(eager, batches)
+        got = _train(graphed, batches)
+        assert any(".experts." in name and "lora_" in name for name in want[1][0])
+        _assert_same(got, want)
+        _assert_counts(graphs, batches)
+        eager_b = _moe_model(torch.bfloat16)
+        graphed_b = copy.deepcopy(eager_b)
+        transform_model(eager_b, kernels=True)
+        graphs_b = transform_model(graphed_b, kernels=True, cuda_graphs=True).checkpointing.graphs
+        batches = _batches(4, seed=9)
+        want = _train(eager_b, batches, autocast=torch.bfloat16)
+        got = _train(graphed_b, batches, autocast=torch.bfloat16)
+        _assert_same(got, want, rtol=2e-2, atol=2e-3)
+        _assert_counts(graphs_b, batches)
+    finally:
+        set_fused_permutation(before)
 
 
 def test_replays_match_eager_with_offload():
