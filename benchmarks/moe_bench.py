@@ -69,7 +69,8 @@ the bf16 ones where two nearly tie, so its output differs more from ``grouped_mm
 ``--graphs`` also captures each system's step (forward and backward) as one CUDA graph and times its
 replays, synchronised and back to back: the device's time for the step without the host's launch gaps.
 The replay's output and input gradient are checked against an eager step on the same input
-(``graph_vs_eager_rel_diff``); a system whose step cannot be captured reports why::
+(``graph_vs_eager_rel_diff``); a system whose step cannot be captured reports why. With a sweep's
+knobs, every configuration is also timed as a graph in each round (``graphed`` in its entry)::
 
     python benchmarks/moe_bench.py --fused --graphs
 
@@ -509,6 +510,7 @@ def run_case(
             for t, w, d, o, ld in variants
         ]
         times: list[list[float]] = [[] for _ in variants]
+        graphed_times: list[list[float]] = [[] for _ in variants]
         for _round, index in _interleaved(len(variants), rounds):
             entry = sweep[index]
             if "error" in entry:
@@ -528,6 +530,19 @@ def run_case(
                 entry.setdefault("round_medians_ms", []).append(timing["median_ms"])
                 times[index].extend(timing["times_ms"])
                 entry.update(_pooled(times[index]))
+                if graphs:  # the same configuration's step as one CUDA graph, pooled over the rounds
+                    replayed = measure_graphed(block, x, grad, warmup, timed)
+                    if "error" in replayed:
+                        entry["graphed"] = {"error": replayed["error"]}
+                    else:
+                        graphed_times[index].extend(replayed["times_ms"])
+                        previous = entry.get("graphed", {})
+                        entry["graphed"] = _pooled(graphed_times[index]) | {
+                            "round_medians_ms": previous.get("round_medians_ms", [])
+                            + [replayed["median_ms"]],
+                            "round_pipelined_ms": previous.get("round_pipelined_ms", [])
+                            + [replayed["pipelined_ms"]],
+                        }
             except Exception as error:  # a tile too large for shared memory, out of memory
                 entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             torch.cuda.empty_cache()
@@ -591,6 +606,9 @@ def summary(report: dict) -> str:
             if entry.get("weight_loads") is not None:
                 label += f", weights through {entry['weight_loads']}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
+            graphed = entry.get("graphed", {})
+            if "median_ms" in graphed:
+                value += f" (as a CUDA graph: {graphed['median_ms']:.2f} ms)"
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
 

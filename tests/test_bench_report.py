@@ -161,6 +161,22 @@ def test_moe_layer_table_shows_the_fused_permutation_where_measured():
     assert "fused" not in bench_tables.render_moe_layer([plain], ["moe_layer_h100.json"], {})
 
 
+def test_moe_layer_table_gives_the_graphed_replays_where_measured():
+    report = json.loads((RESULTS / "moe_fused_graphs_h200.json").read_text())
+    table = bench_tables.render_moe_layer([report], ["moe_fused_graphs_h200.json"], {})
+    assert "as one CUDA graph" in table
+    rows = [line for line in table.splitlines() if "LoRA on experts" in line]
+    assert len(rows) == len(report["results"])
+    for row, result in zip(rows, report["results"].values()):
+        cell = row.strip("| ").split(" | ")[7]
+        mm, fused = result["grouped_mm"]["graphed"]["median_ms"], result["sloth_fused"]["graphed"]["median_ms"]
+        ratio = result["fused_graphed_speedup_vs_grouped_mm"]
+        assert cell == f"{mm:.1f} / {fused:.1f} ms, {ratio:.2f}×"
+        assert ratio == pytest.approx(mm / fused)
+    plain = json.loads((RESULTS / "moe_fused_h100.json").read_text())
+    assert "CUDA graph" not in bench_tables.render_moe_layer([plain], ["moe_fused_h100.json"], {})
+
+
 def test_fp8_accum_table_has_each_product_with_both_modes():
     report = json.loads((RESULTS / "fp8_accum_h200.json").read_text())
     table = fp8_tables.render_fp8_accum([report], ["fp8_accum_h200.json"], {})

@@ -102,12 +102,18 @@ def test_the_summary_gives_the_graphed_replays_and_names_a_step_that_was_not_cap
         "fused_speedup_vs_grouped_mm": 3.0,
         "fused_graphed_speedup_vs_grouped_mm": 3.5,
         "fused_graphed_pipelined_speedup_vs_grouped_mm": 3.6,
+        "sweep": [
+            {"tiles": None, "wgrad_tiles": None, "median_ms": 10.0, "graphed": {"median_ms": 8.0}},
+            {"tiles": None, "wgrad_tiles": None, "grouped_mm": "ordered", "median_ms": 9.5, "graphed": {}},
+        ],
     }
     lines = bench.summary({"results": {"shape/lora": result}}).splitlines()
     graphed = lines[2]
     assert graphed.startswith("  as a CUDA graph")
     assert "28.00 ms" in graphed and "8.00 ms" in graphed and "not captured" in graphed
     assert "3.50x vs grouped_mm (back to back: 3.60x)" in graphed
+    assert lines[3].endswith("10.00 ms (as a CUDA graph: 8.00 ms)")
+    assert "torch._grouped_mm for ordered" in lines[4] and lines[4].endswith("9.50 ms")
 
 
 def test_the_router_knob_installs_the_plugins_router_on_sloth_systems_only():
