@@ -62,16 +62,33 @@ GROUP_M = 8
 SHALLOW_K_MAX_IN = 2048
 """Up to this many inputs the built-in tiles are 32 deep in K with 5 stages (64 x 4 above it)."""
 
-WEIGHT_LOAD_CHOICES = ("pointer", "tma", "tma_ws")
-WEIGHT_LOADS = "pointer"
+WEIGHT_LOAD_CHOICES = ("auto", "pointer", "tma", "tma_ws")
+WEIGHT_LOADS = "auto"
 """How ``grouped_mm`` loads its weight tiles: ``pointer`` (masked loads), ``tma`` (a TMA tensor
 descriptor over the weight, zero-filled past its edges), ``tma_ws`` (that, in a warp-specialised K
-loop, the producer warps loading while the consumers multiply; not with the one-pass rank-r side).
-The GEMM alone gained up to 19-27% with them on the H200 on ``[E, N, K]`` weights and lost on others
-(``benchmarks/results/moe_gemm_variants_ws_h200.json``); on the whole block the three modes' round
-medians overlap on both shapes (``moe_fused_weight_loads_h200.json``, ``moe_bench.py --weight-loads``),
-so the pointer loads stay the default. A weight a descriptor cannot address (no unit-stride
-dimension, strides or base not 16-byte aligned) keeps the pointer loads."""
+loop, the producer warps loading while the consumers multiply; not with the one-pass rank-r side),
+``auto`` (the default: ``tma`` on a CUDA device with TMA, compute capability 9.0 and above, ``pointer``
+elsewhere). The GEMM alone gained up to 19-27% with descriptors on the H200 on ``[E, N, K]`` weights
+and lost on others (``benchmarks/results/moe_gemm_variants_ws_h200.json``); on the whole block, with
+each step also replayed as one CUDA graph (``moe_bench.py --graphs --weight-loads``), ``tma`` ran
+faster than the pointer loads on both shapes (``moe_fused_graphs_weight_loads_h200.json``). A weight a
+descriptor cannot address (no unit-stride dimension, strides or base not 16-byte aligned) keeps the
+pointer loads."""
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _weight_loads(device: torch.device) -> str:
+    """The weight loads :data:`WEIGHT_LOADS` gives on ``device`` (``auto`` resolved)."""
+    if WEIGHT_LOADS not in WEIGHT_LOAD_CHOICES:
+        raise ValueError(f"moe_fused.WEIGHT_LOADS must be one of {WEIGHT_LOAD_CHOICES}, got {WEIGHT_LOADS!r}")
+    if WEIGHT_LOADS == "auto":
+        return "tma" if _has_tma(device) else "pointer"
+    return WEIGHT_LOADS
+
 
 WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 """``(BA, BB, BR, num_warps, num_stages)`` of the weight-gradient kernel for 16-bit CUDA operands
@@ -319,7 +336,8 @@ def grouped_mm(
     max_tiles = triton.cdiv(n_rows, bm) + experts
     tile_expert, tile_row = _tile_table(ends, bm, max_tiles)
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
-    descriptor = _weight_descriptor(w, w_is_kn, bk, bn) if WEIGHT_LOADS != "pointer" else None
+    loads = _weight_loads(x.device)
+    descriptor = _weight_descriptor(w, w_is_kn, bk, bn) if loads != "pointer" else None
     grid = (max_tiles * triton.cdiv(n_out, bn),)
     launchable(_indexed_grouped_mm_kernel)[grid](
         x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
@@ -335,7 +353,7 @@ def grouped_mm(
         HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2, DOWN_IN_KERNEL=down is not None, KEEP_SCALED=keep_scaled,
         EVEN_K=n_in % bk == 0, GROUP_M=GROUP_M, W_DESC=descriptor is not None,
         W_DESC_KN=descriptor is not None and descriptor[1],
-        WS=descriptor is not None and WEIGHT_LOADS == "tma_ws" and down is None,
+        WS=descriptor is not None and loads == "tma_ws" and down is None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -347,8 +365,7 @@ def _weight_descriptor(
     """A TMA descriptor over ``w`` in its memory order (the dimension of unit stride last) with
     ``[1, BK, BN]`` or ``[1, BN, BK]`` blocks, and whether that order is ``[E, K, N]``; None where a
     descriptor cannot address ``w`` (the kernel then loads through pointers)."""
-    if WEIGHT_LOADS not in WEIGHT_LOAD_CHOICES:
-        raise ValueError(f"moe_fused.WEIGHT_LOADS must be one of {WEIGHT_LOAD_CHOICES}, got {WEIGHT_LOADS!r}")
+    _weight_loads(w.device)  # an unknown choice is an error here too
     kn = w if w_is_kn else w.transpose(1, 2)  # [E, K, N] whatever the layout
     if kn.stride(2) == 1:
         storage, in_kn, block = kn, True, [1, bk, bn]

@@ -169,7 +169,10 @@ def test_moe_layer_table_gives_the_graphed_replays_where_measured():
     assert len(rows) == len(report["results"])
     for row, result in zip(rows, report["results"].values()):
         cell = row.strip("| ").split(" | ")[7]
-        mm, fused = result["grouped_mm"]["graphed"]["median_ms"], result["sloth_fused"]["graphed"]["median_ms"]
+        mm, fused = (
+            result["grouped_mm"]["graphed"]["median_ms"],
+            result["sloth_fused"]["graphed"]["median_ms"],
+        )
         ratio = result["fused_graphed_speedup_vs_grouped_mm"]
         assert cell == f"{mm:.1f} / {fused:.1f} ms, {ratio:.2f}×"
         assert ratio == pytest.approx(mm / fused)

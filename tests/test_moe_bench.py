@@ -33,7 +33,7 @@ def test_the_sweep_moves_one_knob_at_a_time():
         (None, None, None, None, "pointer"),
         (None, None, None, None, "tma_ws"),
     ]
-    with pytest.raises(ValueError, match="--weight-loads takes pointer, tma, tma_ws; got 'tmaws'"):
+    with pytest.raises(ValueError, match="--weight-loads takes auto, pointer, tma, tma_ws; got 'tmaws'"):
         bench._variants(None, None, None, None, "tmaws")
     with pytest.raises(ValueError, match="--grouped-mm takes"):
         bench._variants(None, None, None, "all")
@@ -70,7 +70,7 @@ def test_the_down_rank_knob_reaches_the_ops_and_comes_back():
         assert (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM) == (False, True)
     finally:
         bench._set_tiles(None, None)
-    assert default == indexed.DOWN_IN_KERNEL_MAX_RANK and moe_fused.WEIGHT_LOADS == "pointer"
+    assert default == indexed.DOWN_IN_KERNEL_MAX_RANK and moe_fused.WEIGHT_LOADS == "auto"
     assert flags == (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     assert bench._ranks("default;0") == [None, 0]
 

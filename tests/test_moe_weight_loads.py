@@ -3,7 +3,8 @@
 the pointer loads for either weight layout and its transposed views, K and N not multiples of the
 tiles (the descriptor's zero fill past the edges), rows read through the permutation, scaled, with
 the rank-r LoRA term, a bias, and the one-pass rank-r side; a weight no descriptor can address keeps
-the pointer loads; an unknown choice is refused."""
+the pointer loads; an unknown choice is refused; ``auto`` (the default) gives descriptors on a CUDA
+device of compute capability 9.0 and above only."""
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_kernels_interpreted_weight_tiles_through_a_descriptor_give_the_same_bit
     )
     monkeypatch.setattr(kernels, "_tiles", lambda *a, **k: (16, 32, 16, 4, 2))
     want = kernels.grouped_mm(x, w, grouping.ends, w_is_kn, **extra)
-    assert kernels._weight_descriptor(w, w_is_kn, 16, 32) is None or kernels.WEIGHT_LOADS == "pointer"
+    assert kernels._weight_loads(x.device) == "pointer"  # "auto" on the CPU: pointer loads
     monkeypatch.setattr(kernels, "WEIGHT_LOADS", loads)
     descriptor = kernels._weight_descriptor(w, w_is_kn, 16, 32)
     in_kn = (w if w_is_kn else w.transpose(1, 2)).stride(2) == 1  # [E, K, N] in memory
@@ -113,7 +114,7 @@ def test_weights_no_descriptor_can_address_keep_the_pointer_loads(monkeypatch):
     assert kernels._weight_descriptor(torch.randn(3 * 32 * 48 + 1)[1:].view(3, 32, 48), True, 16, 32) is None
     monkeypatch.setattr(kernels, "WEIGHT_LOADS", "tmaa")
     with pytest.raises(
-        ValueError, match=r"WEIGHT_LOADS must be one of \('pointer', 'tma', 'tma_ws'\), got 'tmaa'"
+        ValueError, match=r"WEIGHT_LOADS must be one of \('auto', 'pointer', 'tma', 'tma_ws'\), got 'tmaa'"
     ):
         kernels._weight_descriptor(aligned, True, 16, 32)
 
@@ -124,3 +125,18 @@ def test_kernels_under_triton_interpreter():
     assert result.returncode == 0 and " passed" in result.stdout, (
         result.stdout[-5000:] + result.stderr[-2000:]
     )
+
+
+def test_auto_gives_descriptors_only_where_the_device_has_tma(monkeypatch):
+    pytest.importorskip("triton")
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    assert kernels.WEIGHT_LOADS == "auto"
+    assert kernels._weight_loads(torch.device("cpu")) == "pointer"
+    for capability, want in (((8, 0), "pointer"), ((8, 9), "pointer"), ((9, 0), "tma"), ((10, 0), "tma")):
+        kernels._has_tma.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert kernels._weight_loads(torch.device("cuda", 0)) == want, capability
+    kernels._has_tma.cache_clear()
+    monkeypatch.setattr(kernels, "WEIGHT_LOADS", "tma_ws")
+    assert kernels._weight_loads(torch.device("cpu")) == "tma_ws"  # an explicit choice holds anywhere
