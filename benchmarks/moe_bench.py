@@ -69,7 +69,10 @@ the bf16 ones where two nearly tie, so its output differs more from ``grouped_mm
 ``--graphs`` also captures each system's step (forward and backward) as one CUDA graph and times its
 replays, synchronised and back to back: the device's time for the step without the host's launch gaps.
 The replay's output and input gradient are checked against an eager step on the same input
-(``graph_vs_eager_rel_diff``); a system whose step cannot be captured reports why. With a sweep's
+(``graph_vs_eager_rel_diff``); a system whose step cannot be captured reports why. Where NVML can be
+read (``nvidia-ml-py``), each graph's ``power`` gives the energy per replay, the mean power, and the
+SM clock and power-cap state sampled after each synchronised replay (a block that reaches the card's
+power cap slows as its clock falls). With a sweep's
 knobs, every configuration is also timed as a graph in each round (``graphed`` in its entry)::
 
     python benchmarks/moe_bench.py --fused --graphs
@@ -87,6 +90,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -242,6 +246,52 @@ def measure(block, x, grad, warmup: int, timed: int, pipelined: bool = True) -> 
     }
 
 
+class PowerMeter:
+    """The CUDA device's energy counter, SM clock and power-cap state through NVML (``nvidia-ml-py``,
+    the ``bench`` extra); inert, with ``error`` saying why, where NVML cannot be read."""
+
+    def __init__(self, device=None) -> None:
+        self.error: str | None = None
+        self._handle = None
+        try:
+            import pynvml
+
+            self._nvml = pynvml
+            self._handle = torch.cuda._get_pynvml_handler(device)
+            self.energy_mj(), self.sm_clock_mhz(), self.power_capped()  # each read once (energy: Volta on)
+        except Exception as error:  # no nvidia-ml-py, no driver, an old GPU, a query not supported
+            self._handle = None
+            self.error = f"{type(error).__name__}: {error}"
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def energy_mj(self) -> int:
+        """Millijoules used by the device since the driver loaded."""
+        return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+
+    def sm_clock_mhz(self) -> int:
+        return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+
+    def power_capped(self) -> bool:
+        """Whether the software power cap is holding the clocks down now."""
+        reasons = self._nvml.nvmlDeviceGetCurrentClocksEventReasons(self._handle)
+        return bool(reasons & self._nvml.nvmlClocksEventReasonSwPowerCap)
+
+
+def power_summary(energy_mj: int, seconds: float, steps: int, clocks: list[int], capped: list[bool]) -> dict:
+    """Energy per step (J), mean power (W) over the loop, the SM clock sampled after each step
+    (median, min) and the share of those samples taken while the power cap held the clocks."""
+    return {
+        "energy_per_step_j": energy_mj / 1000 / steps,
+        "mean_power_w": energy_mj / 1000 / seconds if seconds > 0 else None,
+        "sm_clock_mhz_median": statistics.median(clocks) if clocks else None,
+        "sm_clock_mhz_min": min(clocks) if clocks else None,
+        "power_capped_share": sum(capped) / len(capped) if capped else None,
+    }
+
+
 def _clear_grads(block, x) -> None:
     x.grad = None
     for param in block.parameters():
@@ -284,7 +334,9 @@ def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
         return float((a.float() - b).norm() / b.norm().clamp_min(1e-30))
 
     diffs = {"output": rel(static_out, eager_out), "input_grad": rel(x.grad, eager_grad)}
-    times = []
+    meter = PowerMeter()
+    times, clocks, capped = [], [], []
+    energy, began = meter.energy_mj() if meter.available else 0, time.perf_counter()
     for _ in range(timed):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -292,12 +344,23 @@ def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+        if meter.available:  # between replays, outside the timed region
+            clocks.append(meter.sm_clock_mhz())
+            capped.append(meter.power_capped())
+    if meter.available:
+        power = power_summary(meter.energy_mj() - energy, time.perf_counter() - began, timed, clocks, capped)
+        energy = meter.energy_mj()
+    else:
+        power = {"error": meter.error}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(timed):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
+    if meter.available:
+        back = power_summary(meter.energy_mj() - energy, start.elapsed_time(end) / 1000, timed, [], [])
+        power["back_to_back"] = {k: v for k, v in back.items() if v is not None}
     result = {
         "median_ms": statistics.median(times),
         "min_ms": min(times),
@@ -306,6 +369,7 @@ def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
         "pipelined_ms": start.elapsed_time(end) / timed,
         "peak_over_base_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
         "graph_vs_eager_rel_diff": diffs,
+        "power": power,
     }
     del graph, static_out
     _clear_grads(block, x)
@@ -597,6 +661,14 @@ def summary(report: dict) -> str:
             back = result.get("fused_graphed_pipelined_speedup_vs_grouped_mm")
             tail = "-" if ratio is None else f"{ratio:.2f}x vs grouped_mm (back to back: {back:.2f}x)"
             lines.append("  as a CUDA graph".ljust(26) + cells + "  " + tail)
+            energy = {
+                s: g["power"]["energy_per_step_j"]
+                for s, g in graphed.items()
+                if "energy_per_step_j" in g.get("power", {})
+            }
+            if energy:
+                cells = "".join((f"{energy[s]:.2f} J" if s in energy else "-").rjust(17) for s in systems)
+                lines.append("  energy per replay".ljust(26) + cells)
         for entry in result.get("sweep", []):
             label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
             if entry.get("down_rank_max") is not None:

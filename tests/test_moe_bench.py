@@ -1,6 +1,7 @@
-"""benchmarks/moe_bench.py's pure parts on the CPU: the tile sweep's configurations, the router knob."""
+"""benchmarks/moe_bench.py's pure parts on the CPU: the tile sweep's configurations, the router knob, the summary's rows, the power meter over NVML."""
 
 import pytest
+import torch
 from _scripts import benchmark_script
 
 bench = benchmark_script("moe_bench")
@@ -96,9 +97,15 @@ def test_the_summary_gives_the_back_to_back_ratio_beside_the_synchronised_one():
 
 def test_the_summary_gives_the_graphed_replays_and_names_a_step_that_was_not_captured():
     result = {
-        "grouped_mm": {"median_ms": 30.0, "graphed": {"median_ms": 28.0, "pipelined_ms": 27.0}},
+        "grouped_mm": {
+            "median_ms": 30.0,
+            "graphed": {"median_ms": 28.0, "pipelined_ms": 27.0, "power": {"energy_per_step_j": 15.5}},
+        },
         "sloth": {"median_ms": 12.0, "graphed": {"error": "RuntimeError: capture failed"}},
-        "sloth_fused": {"median_ms": 10.0, "graphed": {"median_ms": 8.0, "pipelined_ms": 7.5}},
+        "sloth_fused": {
+            "median_ms": 10.0,
+            "graphed": {"median_ms": 8.0, "pipelined_ms": 7.5, "power": {"energy_per_step_j": 5.25}},
+        },
         "fused_speedup_vs_grouped_mm": 3.0,
         "fused_graphed_speedup_vs_grouped_mm": 3.5,
         "fused_graphed_pipelined_speedup_vs_grouped_mm": 3.6,
@@ -112,8 +119,56 @@ def test_the_summary_gives_the_graphed_replays_and_names_a_step_that_was_not_cap
     assert graphed.startswith("  as a CUDA graph")
     assert "28.00 ms" in graphed and "8.00 ms" in graphed and "not captured" in graphed
     assert "3.50x vs grouped_mm (back to back: 3.60x)" in graphed
-    assert lines[3].endswith("10.00 ms (as a CUDA graph: 8.00 ms)")
-    assert "torch._grouped_mm for ordered" in lines[4] and lines[4].endswith("9.50 ms")
+    energy = lines[3]
+    assert energy.startswith("  energy per replay") and "15.50 J" in energy and "5.25 J" in energy
+    assert lines[4].endswith("10.00 ms (as a CUDA graph: 8.00 ms)")
+    assert "torch._grouped_mm for ordered" in lines[5] and lines[5].endswith("9.50 ms")
+
+
+def test_the_power_meter_reads_nvml_and_is_inert_without_it(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("pynvml")
+    state = {"energy": 1_000, "clock": 1_695, "reasons": 0x4}
+    fake.NVML_CLOCK_SM = 1
+    fake.nvmlClocksEventReasonSwPowerCap = 0x4
+    fake.nvmlDeviceGetTotalEnergyConsumption = lambda handle: state["energy"]
+    fake.nvmlDeviceGetClockInfo = lambda handle, kind: state["clock"] if kind == 1 else 0
+    fake.nvmlDeviceGetCurrentClocksEventReasons = lambda handle: state["reasons"]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", lambda device=None: "handle", raising=False)
+    meter = bench.PowerMeter()
+    assert meter.available and meter.error is None
+    assert (meter.energy_mj(), meter.sm_clock_mhz(), meter.power_capped()) == (1_000, 1_695, True)
+    state["reasons"] = 0x1  # idle, not the power cap
+    assert not meter.power_capped()
+
+    def no_driver(device=None):
+        raise RuntimeError("cuda driver can't be loaded")
+
+    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", no_driver, raising=False)
+    inert = bench.PowerMeter()
+    assert not inert.available and "driver can't be loaded" in inert.error
+    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", lambda device=None: "handle", raising=False)
+
+    def not_supported(handle):
+        raise RuntimeError("Not Supported")
+
+    fake.nvmlDeviceGetCurrentClocksEventReasons = not_supported  # a virtual machine's NVML
+    partial = bench.PowerMeter()
+    assert not partial.available and "Not Supported" in partial.error
+
+
+def test_power_summary_gives_energy_per_step_power_and_clocks():
+    summary = bench.power_summary(2_800, 0.4, 20, [1980, 1700, 1600], [False, True, True])
+    assert summary["energy_per_step_j"] == pytest.approx(0.14)
+    assert summary["mean_power_w"] == pytest.approx(7.0)
+    assert summary["sm_clock_mhz_median"] == 1700 and summary["sm_clock_mhz_min"] == 1600
+    assert summary["power_capped_share"] == pytest.approx(2 / 3)
+    empty = bench.power_summary(1_000, 0.0, 10, [], [])
+    assert empty["mean_power_w"] is None and empty["sm_clock_mhz_median"] is None
+    assert empty["power_capped_share"] is None
 
 
 def test_the_router_knob_installs_the_plugins_router_on_sloth_systems_only():
