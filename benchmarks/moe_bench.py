@@ -54,9 +54,10 @@ expert order (the second's forward, the first's input gradient), each token's k 
 through the inverse permutation (``ORDERED_ROWS_GROUPED_MM``); ``gathered``, the two that read rows
 through the permutation, from a gathered copy (``GATHERED_ROWS_GROUPED_MM``); ``both``.
 
-``--weight-loads "pointer;tma;tma_ws"`` is a fifth: how the fused GEMMs load their weight tiles
-(``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads, a TMA descriptor, or a
-descriptor in a warp-specialised K loop.
+``--weight-loads "pointer;tma;tma_ws;tma_rows"`` is a fifth: how the fused GEMMs load their weight
+tiles (``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads, a TMA descriptor, a
+descriptor in a warp-specialised K loop, or descriptors for the weights and for the rows of the GEMMs
+whose rows are already in expert order.
 
 The router: every system runs transformers' own (bf16 logits), so the systems differ in their experts
 only. ``--router sloth`` gives lightning_sloth's systems the router ``apply_experts`` installs on a
@@ -723,8 +724,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--weight-loads",
         default=None,
-        help="how the fused GEMMs load weight tiles: pointer, tma (a TMA descriptor), tma_ws (that, "
-        "warp-specialised); several: ';'",
+        help="how the fused GEMMs load weight tiles: auto, pointer, tma (a TMA descriptor), tma_ws (that, "
+        "warp-specialised), tma_rows (tma, and rows in expert order through a descriptor); several: ';'",
     )
     parser.add_argument(
         "--group-m",

@@ -62,11 +62,13 @@ GROUP_M = 8
 SHALLOW_K_MAX_IN = 2048
 """Up to this many inputs the built-in tiles are 32 deep in K with 5 stages (64 x 4 above it)."""
 
-WEIGHT_LOAD_CHOICES = ("auto", "pointer", "tma", "tma_ws")
+WEIGHT_LOAD_CHOICES = ("auto", "pointer", "tma", "tma_ws", "tma_rows")
 WEIGHT_LOADS = "auto"
 """How ``grouped_mm`` loads its weight tiles: ``pointer`` (masked loads), ``tma`` (a TMA tensor
 descriptor over the weight, zero-filled past its edges), ``tma_ws`` (that, in a warp-specialised K
 loop, the producer warps loading while the consumers multiply; not with the one-pass rank-r side),
+``tma_rows`` (the weight tiles as ``tma``, and where the rows are already in expert order, not read
+through the permutation, their tiles through a second descriptor too; not yet measured on a GPU),
 ``auto`` (the default: ``tma`` on a CUDA device with TMA, compute capability 9.0 and above, ``pointer``
 elsewhere). The GEMM alone gained up to 19-27% with descriptors on the H200 on ``[E, N, K]`` weights
 and lost on others (``benchmarks/results/moe_gemm_variants_ws_h200.json``); on the whole block, with
@@ -130,7 +132,7 @@ def _tiles(
 
 @triton.jit
 def _indexed_grouped_mm_kernel(
-    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, DOWN, R_OUT, WD,
+    X, W, OUT, BIAS, TILE_EXPERT, TILE_ROW, ENDS, A_IDX, SCALE, OUT_IDX, X2, W2, DOWN, R_OUT, WD, XD,
     n_out, n_in, n_in2, div, lora_scale, max_tiles,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     stride_x2m, stride_x2k, stride_w2e, stride_w2k, stride_w2n, stride_de, stride_dk, stride_dr,
@@ -139,7 +141,7 @@ def _indexed_grouped_mm_kernel(
     SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     HAS_X2: tl.constexpr, BK2: tl.constexpr, DOWN_IN_KERNEL: tl.constexpr, KEEP_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, W_DESC: tl.constexpr, W_DESC_KN: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, X_DESC: tl.constexpr,
 ):  # fmt: skip
     # Programs walk groups of GROUP_M M tiles, M fastest inside a group: the CTAs running together share
     # a few M tiles' (gathered) rows and a band of one expert's weight columns in L2.
@@ -177,7 +179,11 @@ def _indexed_grouped_mm_kernel(
                 k_mask = ks < n_in
                 x_mask = row_mask[:, None] & k_mask[None, :]
                 w_mask = k_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
+            if X_DESC:  # rows in expert order through a descriptor: the rows past the expert's end
+                # (the next expert's, or zeros past the last row) give output rows never stored
+                x = XD.load([row0.to(tl.int32), k0])
+            else:
+                x = tl.load(X + a_rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
             if W_DESC:  # the tile through the descriptor: zeros past K and N, no mask
                 if W_DESC_KN:
                     w = WD.load([expert.to(tl.int32), k0, pid_n * BN]).reshape(BK, BN)
@@ -338,13 +344,14 @@ def grouped_mm(
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if w_is_kn else (w.stride(2), w.stride(1))
     loads = _weight_loads(x.device)
     descriptor = _weight_descriptor(w, w_is_kn, bk, bn) if loads != "pointer" else None
+    rows_descriptor = _rows_descriptor(x, bm, bk) if loads == "tma_rows" and a_idx is None else None
     grid = (max_tiles * triton.cdiv(n_out, bn),)
     launchable(_indexed_grouped_mm_kernel)[grid](
         x, w, out, bias if bias is not None else out, tile_expert, tile_row, ends,
         a_idx if a_idx is not None else ends, scale if scale is not None else out,
         out_idx if out_idx is not None else ends, x2 if x2 is not None else x, w2 if w2 is not None else w,
         down if down is not None else w, r_out if r_out is not None else out,
-        descriptor[0] if descriptor is not None else w,
+        descriptor[0] if descriptor is not None else w, rows_descriptor if rows_descriptor is not None else x,
         n_out, n_in, n_in2, div, float(lora_scale), max_tiles,
         x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0, *x2_strides, *down_strides,
@@ -353,7 +360,7 @@ def grouped_mm(
         HAS_X2=x2 is not None and n_in2 > 0, BK2=bk2, DOWN_IN_KERNEL=down is not None, KEEP_SCALED=keep_scaled,
         EVEN_K=n_in % bk == 0, GROUP_M=GROUP_M, W_DESC=descriptor is not None,
         W_DESC_KN=descriptor is not None and descriptor[1],
-        WS=descriptor is not None and loads == "tma_ws" and down is None,
+        WS=descriptor is not None and loads == "tma_ws" and down is None, X_DESC=rows_descriptor is not None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -377,6 +384,15 @@ def _weight_descriptor(
     if storage.data_ptr() % 16 or any(stride * size % 16 for stride in storage.stride()[:2]):
         return None
     return TensorDescriptor.from_tensor(storage, block), in_kn
+
+
+def _rows_descriptor(x: torch.Tensor, bm: int, bk: int) -> TensorDescriptor | None:
+    """A TMA descriptor over the ``[S, K]`` rows with ``[BM, BK]`` blocks; None where one cannot
+    address them (no unit stride along K, the row stride or the base not 16-byte aligned)."""
+    size = x.element_size()
+    if x.dim() != 2 or x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * size % 16:
+        return None
+    return TensorDescriptor.from_tensor(x, [bm, bk])
 
 
 @triton.jit

@@ -34,7 +34,9 @@ def test_the_sweep_moves_one_knob_at_a_time():
         (None, None, None, None, "pointer"),
         (None, None, None, None, "tma_ws"),
     ]
-    with pytest.raises(ValueError, match="--weight-loads takes auto, pointer, tma, tma_ws; got 'tmaws'"):
+    with pytest.raises(
+        ValueError, match="--weight-loads takes auto, pointer, tma, tma_ws, tma_rows; got 'tmaws'"
+    ):
         bench._variants(None, None, None, None, "tmaws")
     with pytest.raises(ValueError, match="--grouped-mm takes"):
         bench._variants(None, None, None, "all")

@@ -99,6 +99,78 @@ def test_kernels_interpreted_one_pass_side_with_descriptor_loads_gives_the_same_
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@interpreted_only
+@pytest.mark.parametrize("n_in", [24, 64])  # 24: K ends inside a K tile (the descriptor's zero fill)
+@pytest.mark.parametrize("side", ["x2", "one-pass"])
+def test_kernels_interpreted_rows_in_expert_order_through_a_descriptor_give_the_same_bits(
+    n_in, side, monkeypatch
+):
+    """``tma_rows``: a GEMM whose rows are already in expert order (the second GEMM's forward, the
+    first's input gradient) reads its row tiles through a descriptor. A tile that runs past its
+    expert's end reads the next expert's rows (or zeros past the last row) into rows it never stores:
+    the output, written through the permutation, and the rank-r side keep the pointer loads' bits."""
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    top_k, experts, n_out, rank = 2, 5, 48, 4
+    grouping, _ = _routing(23, experts, top_k, 5)  # 46 rows: tiles of 16 straddle the experts' ends
+    gen = torch.Generator().manual_seed(6)
+    half = torch.float16
+    x = torch.randn(46, n_in, generator=gen).to(half)
+    w = torch.randn(experts, n_out, n_in, generator=gen).to(half)
+    extra = dict(
+        out_idx=grouping.perm, bias=torch.randn(experts, n_out, generator=gen).to(half), covered=True
+    )
+    if side == "x2":
+        extra |= dict(
+            x2=torch.randn(46, rank, generator=gen).to(half),
+            w2=torch.randn(experts, rank, n_out, generator=gen).to(half),
+            w2_is_kn=True,
+        )
+    else:
+        down = torch.randn(experts, rank, n_in, generator=gen).to(half)
+        extra |= dict(
+            w2=torch.randn(experts, n_out, rank, generator=gen).to(half) * 0.5, down=down, lora_scale=0.25
+        )
+    monkeypatch.setattr(kernels, "_tiles", lambda *a, **k: (16, 32, 16, 4, 2))
+    results = []
+    for mode in ("pointer", "tma_rows"):
+        monkeypatch.setattr(kernels, "WEIGHT_LOADS", mode)
+        sides = {}
+        if side == "one-pass":
+            sides["r_out"] = torch.full((46, rank), float("nan"), dtype=half)
+        out = kernels.grouped_mm(x, w, grouping.ends, False, **extra, **sides)
+        results.append((out, sides.get("r_out")))
+    assert kernels._rows_descriptor(x, 16, 16) is not None
+    (want, want_side), (got, got_side) = results
+    assert torch.equal(got, want)
+    if side == "one-pass":
+        assert torch.equal(got_side, want_side) and not got_side.isnan().any()
+    rows64 = x.double()
+    full = torch.empty(46, n_out, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(grouping.ends.tolist()):
+        seg = slice(start, end)
+        full[seg] = rows64[seg] @ w.double()[e].T + extra["bias"].double()[e]
+        if side == "x2":
+            full[seg] += extra["x2"].double()[seg] @ extra["w2"].double()[e]
+        start = end
+    slot = torch.empty_like(full)
+    slot[grouping.perm] = full  # row s of expert order is written to slot perm[s]
+    if side == "x2":
+        torch.testing.assert_close(got.double(), slot, rtol=2e-2, atol=2e-2)
+
+
+def test_rows_no_descriptor_can_address_keep_the_pointer_loads():
+    pytest.importorskip("triton")
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    assert kernels._rows_descriptor(torch.randn(40, 32), 16, 16) is not None
+    assert kernels._rows_descriptor(torch.randn(40, 21), 16, 16) is None  # 84-byte rows
+    assert kernels._rows_descriptor(torch.randn(40, 64)[:, ::2], 16, 16) is None  # no unit stride along K
+    assert kernels._rows_descriptor(torch.randn(40 * 32 + 1)[1:].view(40, 32), 16, 16) is None  # base
+    assert kernels._rows_descriptor(torch.randn(3, 40, 32), 16, 16) is None  # not [S, K]
+
+
 def test_weights_no_descriptor_can_address_keep_the_pointer_loads(monkeypatch):
     pytest.importorskip("triton")
     from lightning_sloth.kernels import moe_fused as kernels
@@ -114,7 +186,8 @@ def test_weights_no_descriptor_can_address_keep_the_pointer_loads(monkeypatch):
     assert kernels._weight_descriptor(torch.randn(3 * 32 * 48 + 1)[1:].view(3, 32, 48), True, 16, 32) is None
     monkeypatch.setattr(kernels, "WEIGHT_LOADS", "tmaa")
     with pytest.raises(
-        ValueError, match=r"WEIGHT_LOADS must be one of \('auto', 'pointer', 'tma', 'tma_ws'\), got 'tmaa'"
+        ValueError,
+        match=r"WEIGHT_LOADS must be one of \('auto', 'pointer', 'tma', 'tma_ws', 'tma_rows'\), got 'tmaa'",
     ):
         kernels._weight_descriptor(aligned, True, 16, 32)
 

@@ -33,13 +33,20 @@ def _rel(a, b):
 
 
 @pytest.fixture(
-    params=[(False, "pointer"), (True, "pointer"), (False, "tma"), (False, "tma_ws")],
-    ids=["triton-gemms", "grouped-mm-gemms", "triton-gemms-tma", "triton-gemms-tma-ws"],
+    params=[(False, "pointer"), (True, "pointer"), (False, "tma"), (False, "tma_ws"), (False, "tma_rows")],
+    ids=[
+        "triton-gemms",
+        "grouped-mm-gemms",
+        "triton-gemms-tma",
+        "triton-gemms-tma-ws",
+        "triton-gemms-tma-rows",
+    ],
 )
 def ordered(request, monkeypatch):
     """The ways of the expert GEMMs: the Triton kernels reading and writing through the permutation
     (their weight tiles through pointers, a TMA descriptor, or a descriptor in a warp-specialised K
-    loop: ``kernels.moe_fused.WEIGHT_LOADS``), and torch._grouped_mm for all four (bf16 on Hopper):
+    loop, or weights and the rows already in expert order through descriptors:
+    ``kernels.moe_fused.WEIGHT_LOADS``), and torch._grouped_mm for all four (bf16 on Hopper):
     the rows in expert order summed through the inverse permutation (ORDERED_ROWS_GROUPED_MM), the
     gathered copies (GATHERED_ROWS_GROUPED_MM)."""
     from lightning_sloth.kernels import moe_fused as kernels
