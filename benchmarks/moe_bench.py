@@ -607,6 +607,10 @@ def run_case(
                             + [replayed["median_ms"]],
                             "round_pipelined_ms": previous.get("round_pipelined_ms", [])
                             + [replayed["pipelined_ms"]],
+                            "round_energy_per_step_j": previous.get("round_energy_per_step_j", [])
+                            + [replayed["power"].get("energy_per_step_j")],
+                            "round_sm_clock_mhz_median": previous.get("round_sm_clock_mhz_median", [])
+                            + [replayed["power"].get("sm_clock_mhz_median")],
                         }
             except Exception as error:  # a tile too large for shared memory, out of memory
                 entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
