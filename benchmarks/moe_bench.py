@@ -201,13 +201,17 @@ def _step(block, x, grad):
     return out
 
 
+def _clear_grads(block, x) -> None:
+    x.grad = None
+    for param in block.parameters():
+        param.grad = None
+
+
 def measure(block, x, grad, warmup: int, timed: int, pipelined: bool = True) -> dict:
     """Synchronised steps' times; with ``pipelined``, also the same steps enqueued back to back."""
     for _ in range(warmup):
         _step(block, x, grad)
-    x.grad = None
-    for param in block.parameters():
-        param.grad = None
+    _clear_grads(block, x)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -219,9 +223,7 @@ def measure(block, x, grad, warmup: int, timed: int, pipelined: bool = True) -> 
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-        x.grad = None
-        for param in block.parameters():
-            param.grad = None
+        _clear_grads(block, x)
     result = {}
     if pipelined:
         # The same steps enqueued back to back, one synchronisation at the end: the host runs ahead as
@@ -231,9 +233,7 @@ def measure(block, x, grad, warmup: int, timed: int, pipelined: bool = True) -> 
         start.record()
         for _ in range(timed):
             _step(block, x, grad)
-            x.grad = None
-            for param in block.parameters():
-                param.grad = None
+            _clear_grads(block, x)
         end.record()
         torch.cuda.synchronize()
         result["pipelined_ms"] = start.elapsed_time(end) / timed
@@ -291,12 +291,6 @@ def power_summary(energy_mj: int, seconds: float, steps: int, clocks: list[int],
         "sm_clock_mhz_min": min(clocks) if clocks else None,
         "power_capped_share": sum(capped) / len(capped) if capped else None,
     }
-
-
-def _clear_grads(block, x) -> None:
-    x.grad = None
-    for param in block.parameters():
-        param.grad = None
 
 
 def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
@@ -683,9 +677,9 @@ def summary(report: dict) -> str:
             if entry.get("weight_loads") is not None:
                 label += f", weights through {entry['weight_loads']}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
-            graphed = entry.get("graphed", {})
-            if "median_ms" in graphed:
-                value += f" (as a CUDA graph: {graphed['median_ms']:.2f} ms)"
+            replayed = entry.get("graphed", {})
+            if "median_ms" in replayed:
+                value += f" (as a CUDA graph: {replayed['median_ms']:.2f} ms)"
             lines.append(label.ljust(60) + value)
     return "\n".join(lines)
 
