@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from lightning_sloth.kernels._utils import launchable
 from lightning_sloth.kernels.moe import _ROW_BLOCK, _dot, _tile_table
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -108,6 +110,8 @@ def _tiles(
 ) -> tuple[int, int, int, int, int]:
     """``(BM, BN, BK, num_warps, num_stages)``: Hopper-sized tiles for 16-bit CUDA operands, small ones
     elsewhere (float32, the interpreter); N and K tiles shrink to the (power-of-two) size of a rank-r side.
+    Traced sizes (``SymInt`` under dynamic shapes) give plain ints, specialised: a TMA descriptor's
+    block shape, like the kernel's constexprs, must be a number.
 
     The built-in choice is the H100 sweep's best (``benchmarks/results/moe_fused_sweep2_h100.json``),
     64-deep K tiles in 4 stages; up to 2,048 inputs 32-deep ones in 5 stages, which won every
@@ -127,7 +131,7 @@ def _tiles(
         per_stage = (bm * bk + bk * bn + bk * side) * dtype.itemsize
         while stages > 2 and stages * per_stage > _shared_memory(device) - 8192:
             stages -= 1
-    return bm, bn, bk, warps, stages
+    return int(bm), int(bn), int(bk), warps, stages  # plain ints where the sizes are traced (SymInt)
 
 
 @triton.jit
@@ -371,8 +375,11 @@ def _weight_descriptor(
 ) -> tuple[TensorDescriptor, bool] | None:
     """A TMA descriptor over ``w`` in its memory order (the dimension of unit stride last) with
     ``[1, BK, BN]`` or ``[1, BN, BK]`` blocks, and whether that order is ``[E, K, N]``; None where a
-    descriptor cannot address ``w`` (the kernel then loads through pointers)."""
+    descriptor cannot address ``w`` or ``w`` is traced (:func:`_traced`): the kernel then loads
+    through pointers."""
     _weight_loads(w.device)  # an unknown choice is an error here too
+    if _traced(w):
+        return None
     kn = w if w_is_kn else w.transpose(1, 2)  # [E, K, N] whatever the layout
     if kn.stride(2) == 1:
         storage, in_kn, block = kn, True, [1, bk, bn]
@@ -388,11 +395,21 @@ def _weight_descriptor(
 
 def _rows_descriptor(x: torch.Tensor, bm: int, bk: int) -> TensorDescriptor | None:
     """A TMA descriptor over the ``[S, K]`` rows with ``[BM, BK]`` blocks; None where one cannot
-    address them (no unit stride along K, the row stride or the base not 16-byte aligned)."""
+    address them (no unit stride along K, the row stride or the base not 16-byte aligned) or they are
+    traced (:func:`_traced`)."""
     size = x.element_size()
-    if x.dim() != 2 or x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * size % 16:
+    if _traced(x) or x.dim() != 2 or x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * size % 16:
         return None
     return TensorDescriptor.from_tensor(x, [bm, bk])
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a traced tensor (fake, functional): torch traces a ``triton_op``'s kernels
+    outside Dynamo (``torch.compile``'s AOT pass, ``opcheck``), where it does not capture TMA
+    descriptors (torch 2.11's ``TracingTritonHOPifier``: "TMA descriptor capturing not yet supported
+    in non-dynamo tracing"; the graph would launch a descriptor over a traced tensor), so a traced
+    call keeps the pointer loads."""
+    return is_fake(t) or isinstance(t, FunctionalTensor)
 
 
 @triton.jit

@@ -3,8 +3,9 @@
 the pointer loads for either weight layout and its transposed views, K and N not multiples of the
 tiles (the descriptor's zero fill past the edges), rows read through the permutation, scaled, with
 the rank-r LoRA term, a bias, and the one-pass rank-r side; a weight no descriptor can address keeps
-the pointer loads; an unknown choice is refused; ``auto`` (the default) gives descriptors on a CUDA
-device of compute capability 9.0 and above only."""
+the pointer loads; an unknown choice is refused; ``auto`` (the default) gives descriptors
+on a CUDA device of compute capability 9.0 and above only; traced tensors (fake, functional: torch
+captures no descriptor there) keep the pointer loads."""
 
 import pytest
 import torch
@@ -206,10 +207,50 @@ def test_auto_gives_descriptors_only_where_the_device_has_tma(monkeypatch):
 
     assert kernels.WEIGHT_LOADS == "auto"
     assert kernels._weight_loads(torch.device("cpu")) == "pointer"
-    for capability, want in (((8, 0), "pointer"), ((8, 9), "pointer"), ((9, 0), "tma"), ((10, 0), "tma")):
+    for capability, want in (
+        ((8, 0), "pointer"),
+        ((8, 9), "pointer"),
+        ((9, 0), "tma_rows"),
+        ((10, 0), "tma_rows"),
+    ):
         kernels._has_tma.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert kernels._weight_loads(torch.device("cuda", 0)) == want, capability
     kernels._has_tma.cache_clear()
     monkeypatch.setattr(kernels, "WEIGHT_LOADS", "tma_ws")
     assert kernels._weight_loads(torch.device("cpu")) == "tma_ws"  # an explicit choice holds anywhere
+
+
+def test_traced_calls_keep_the_pointer_loads_and_plain_tiles(monkeypatch):
+    """torch traces a ``triton_op``'s kernels outside Dynamo (``torch.compile``'s AOT pass,
+    ``opcheck``) and captures no TMA descriptor there: fake and functional tensors get none (the
+    pointer loads), where a real tensor of the same layout gets one. Under dynamic shapes the sizes are
+    SymInts: the tiles still come back as plain ints (the kernel's constexprs)."""
+    pytest.importorskip("triton")
+    from lightning_sloth.kernels import moe_fused as kernels
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    monkeypatch.setattr(kernels, "WEIGHT_LOADS", "tma_rows")
+    assert kernels._weight_descriptor(torch.empty(3, 32, 48), True, 16, 32) is not None
+    assert kernels._rows_descriptor(torch.empty(40, 32), 16, 16) is not None
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def symbolic(*shape):
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(shape))
+        return mode.from_tensor(torch.empty(*shape), symbolic_context=context)
+
+    x, w = symbolic(40, 24), symbolic(3, 20, 24)  # [S, K], [E, N, K]: N 20 and K 24 under the tiles
+    assert isinstance(x.shape[1], torch.SymInt) and isinstance(w.shape[1], torch.SymInt)
+    with mode:
+        tiles = kernels._tiles(x.device, x.dtype, w.shape[1], x.shape[1])
+        assert tiles == (64, 32, 32, 4, 2) and all(type(t) is int for t in tiles)
+        assert kernels._weight_descriptor(torch.empty(3, 32, 48), True, 16, 32) is None  # fake
+        assert kernels._rows_descriptor(torch.empty(40, 32), 16, 16) is None
+    with mode, FunctionalTensorMode():
+        functional = FunctionalTensor.to_functional(symbolic(40, 32))
+        with pytest.raises(RuntimeError, match="Cannot access data pointer"):
+            functional.data_ptr()
+        assert kernels._rows_descriptor(functional, 16, 16) is None
+        assert kernels._weight_descriptor(FunctionalTensor.to_functional(w), False, 16, 32) is None

@@ -1,7 +1,8 @@
 """GPU checks of the fused-permutation MoE path (``lightning_sloth.moe.fused``): bf16 parity of both ops
 with a float64 reference (Hopper-sized tiles, odd sizes, idle experts, top_k 1/2/8), the bits of two runs,
 the experts of Qwen3-MoE and GPT-OSS with LoRA (dense and NF4) against the current path, opcheck on
-the ``triton_op`` path, and no host sync in a training step; each also with every expert GEMM through
+the ``triton_op`` path, both ops under ``torch.compile(fullgraph=True)``, and no host sync in a
+training step; each also with every expert GEMM through
 ``torch._grouped_mm`` (``ORDERED_ROWS_GROUPED_MM``, ``GATHERED_ROWS_GROUPED_MM``), and with the Triton
 GEMMs' weight tiles through TMA descriptors, with and without warp specialisation (``WEIGHT_LOADS``).
 
@@ -142,6 +143,34 @@ def test_opcheck_triton_op_path():
         torch.ops.sloth.moe_lora_grouped_mm_combine.default,
         (a, case["weights"].requires_grad_(), g.perm, 2, w, None, None, 0, list(w.shape), None, *args),
     )
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_both_ops_compile_in_one_graph_and_give_the_eager_values(transposed, ordered):
+    """``torch.compile(fullgraph=True)`` (inductor) traces both ops' Triton decompositions with every
+    GEMM way, TMA descriptors included (their alignment check on traced tensors), and the compiled
+    forward and backward give the eager op's values and gradients."""
+    case = _inputs(torch.bfloat16, transposed, 2, tokens=300, experts=8, n_in=128, n_out=192, rank=8)
+    g, k = case["grouping"], case["top_k"]
+    names = ("x", "a", "w", "lora_a", "lora_b", "bias", "weights")
+
+    def step(x, a, w, lora_a, lora_b, bias, weights):
+        kw = dict(transposed=transposed, bias=bias, expert_ids=g.expert_ids)
+        lora = (lora_a, lora_b, 0.5, g.ends)
+        first = gather_lora_grouped_mm(x, g.perm, k, w, *lora, **kw)
+        second = lora_grouped_mm_combine(a, weights, g.perm, k, w, *lora, **kw)
+        return first, second
+
+    compiled = torch.compile(step, fullgraph=True)
+    runs = []
+    for fn in (step, compiled):
+        leaves = [case[n].clone().requires_grad_() for n in names]
+        outs = fn(*leaves)
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        grads = tuple(torch.randn(o.shape, device="cuda", generator=gen, dtype=o.dtype) for o in outs)
+        runs.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grads)))
+    for i, (got, want) in enumerate(zip(runs[1], runs[0], strict=True)):
+        assert _rel(got, want) < 1e-2, ([*("first", "second"), *names][i], _rel(got, want))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
