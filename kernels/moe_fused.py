@@ -70,14 +70,15 @@ WEIGHT_LOADS = "auto"
 descriptor over the weight, zero-filled past its edges), ``tma_ws`` (that, in a warp-specialised K
 loop, the producer warps loading while the consumers multiply; not with the one-pass rank-r side),
 ``tma_rows`` (the weight tiles as ``tma``, and where the rows are already in expert order, not read
-through the permutation, their tiles through a second descriptor too; not yet measured on a GPU),
-``auto`` (the default: ``tma`` on a CUDA device with TMA, compute capability 9.0 and above, ``pointer``
-elsewhere). The GEMM alone gained up to 19-27% with descriptors on the H200 on ``[E, N, K]`` weights
-and lost on others (``benchmarks/results/moe_gemm_variants_ws_h200.json``); on the whole block, with
-each step also replayed as one CUDA graph (``moe_bench.py --graphs --weight-loads``), ``tma`` ran
-faster than the pointer loads on both shapes (``moe_fused_graphs_weight_loads_h200.json``). A weight a
-descriptor cannot address (no unit-stride dimension, strides or base not 16-byte aligned) keeps the
-pointer loads."""
+through the permutation, their tiles through a second descriptor too), ``auto`` (the default:
+``tma_rows`` on a CUDA device with TMA, compute capability 9.0 and above, ``pointer`` elsewhere).
+The GEMM alone gained up to 19-27% with descriptors on the H200 on ``[E, N, K]`` weights and lost on
+others (``benchmarks/results/moe_gemm_variants_ws_h200.json``); on the whole block, each step also
+replayed as one CUDA graph (``moe_bench.py --graphs --weight-loads``), ``tma`` ran faster than the
+pointer loads on both shapes (``moe_fused_graphs_weight_loads_h200.json``) and ``tma_rows`` faster
+than ``tma`` in each of five interleaved rounds, as graphs and back to back, on both shapes
+(``moe_fused_graphs_tma_rows_h200.json``). Rows or a weight a descriptor cannot address (no
+unit-stride dimension, strides or base not 16-byte aligned) keep the pointer loads."""
 
 
 @functools.cache
@@ -90,7 +91,7 @@ def _weight_loads(device: torch.device) -> str:
     if WEIGHT_LOADS not in WEIGHT_LOAD_CHOICES:
         raise ValueError(f"moe_fused.WEIGHT_LOADS must be one of {WEIGHT_LOAD_CHOICES}, got {WEIGHT_LOADS!r}")
     if WEIGHT_LOADS == "auto":
-        return "tma" if _has_tma(device) else "pointer"
+        return "tma_rows" if _has_tma(device) else "pointer"
     return WEIGHT_LOADS
 
 

@@ -3,7 +3,7 @@
 the pointer loads for either weight layout and its transposed views, K and N not multiples of the
 tiles (the descriptor's zero fill past the edges), rows read through the permutation, scaled, with
 the rank-r LoRA term, a bias, and the one-pass rank-r side; a weight no descriptor can address keeps
-the pointer loads; an unknown choice is refused; ``auto`` (the default) gives descriptors
+the pointer loads; an unknown choice is refused; ``auto`` (the default) gives descriptors (``tma_rows``)
 on a CUDA device of compute capability 9.0 and above only; traced tensors (fake, functional: torch
 captures no descriptor there) keep the pointer loads."""
 
