@@ -71,9 +71,11 @@ the bf16 ones where two nearly tie, so its output differs more from ``grouped_mm
 replays, synchronised and back to back: the device's time for the step without the host's launch gaps.
 The replay's output and input gradient are checked against an eager step on the same input
 (``graph_vs_eager_rel_diff``); a system whose step cannot be captured reports why. Where NVML can be
-read (``nvidia-ml-py``), each graph's ``power`` gives the energy per replay, the mean power, and the
-SM clock and power-cap state sampled after each synchronised replay (a block that reaches the card's
-power cap slows as its clock falls). With a sweep's
+read (``nvidia-ml-py``), each graph's ``power`` gives the energy per replay and the mean power over
+at least ``ENERGY_WINDOW_S`` of replays back to back (NVML's energy counter advances in coarse steps,
+so a window of a few short replays misplaces whole steps of it), and the SM clock and power-cap
+state sampled after each synchronised replay (a block that reaches the card's power cap slows as its
+clock falls). With a sweep's
 knobs, every configuration is also timed as a graph in each round (``graphed`` in its entry)::
 
     python benchmarks/moe_bench.py --fused --graphs
@@ -89,9 +91,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -281,9 +283,16 @@ class PowerMeter:
         return bool(reasons & self._nvml.nvmlClocksEventReasonSwPowerCap)
 
 
+ENERGY_WINDOW_S = 2.0
+"""Seconds of back-to-back replays over which a graph's energy per replay is read (NVML's energy
+counter on the H200 advances in steps of tens of milliseconds: over 20 replays of a 7 ms step it
+gave 986 W synchronised and 508 W back to back, beside a 700 W cap)."""
+
+
 def power_summary(energy_mj: int, seconds: float, steps: int, clocks: list[int], capped: list[bool]) -> dict:
-    """Energy per step (J), mean power (W) over the loop, the SM clock sampled after each step
-    (median, min) and the share of those samples taken while the power cap held the clocks."""
+    """Energy per step (J) and mean power (W) over a window of ``steps`` back-to-back steps lasting
+    ``seconds``; the SM clock sampled after each synchronised step (median, min) and the share of those
+    samples taken while the power cap held the clocks."""
     return {
         "energy_per_step_j": energy_mj / 1000 / steps,
         "mean_power_w": energy_mj / 1000 / seconds if seconds > 0 else None,
@@ -331,7 +340,6 @@ def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
     diffs = {"output": rel(static_out, eager_out), "input_grad": rel(x.grad, eager_grad)}
     meter = PowerMeter()
     times, clocks, capped = [], [], []
-    energy, began = meter.energy_mj() if meter.available else 0, time.perf_counter()
     for _ in range(timed):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -342,20 +350,26 @@ def measure_graphed(block, x, grad, warmup: int, timed: int) -> dict:
         if meter.available:  # between replays, outside the timed region
             clocks.append(meter.sm_clock_mhz())
             capped.append(meter.power_capped())
-    if meter.available:
-        power = power_summary(meter.energy_mj() - energy, time.perf_counter() - began, timed, clocks, capped)
-        energy = meter.energy_mj()
-    else:
-        power = {"error": meter.error}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(timed):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    if meter.available:
-        back = power_summary(meter.energy_mj() - energy, start.elapsed_time(end) / 1000, timed, [], [])
-        power["back_to_back"] = {k: v for k, v in back.items() if v is not None}
+    if meter.available:  # a window long enough for the counter's coarse steps, replays back to back
+        replays = max(timed, math.ceil(ENERGY_WINDOW_S * 1000 / max(start.elapsed_time(end) / timed, 1e-3)))
+        window_start, window_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        energy = meter.energy_mj()
+        window_start.record()
+        for _ in range(replays):
+            graph.replay()
+        window_end.record()
+        torch.cuda.synchronize()
+        seconds = window_start.elapsed_time(window_end) / 1000
+        power = power_summary(meter.energy_mj() - energy, seconds, replays, clocks, capped)
+        power |= {"energy_replays": replays, "energy_window_s": seconds}
+    else:
+        power = {"error": meter.error}
     result = {
         "median_ms": statistics.median(times),
         "min_ms": min(times),
