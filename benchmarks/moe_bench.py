@@ -565,18 +565,7 @@ def run_case(
         results["speedup_vs_grouped_mm"] = grouped["median_ms"] / ours["median_ms"]
         results["memory_ratio_vs_grouped_mm"] = ours["peak_over_base_gib"] / grouped["peak_over_base_gib"]
     fused = results.get("sloth_fused", {})
-    if "median_ms" in fused:
-        for name, other in (("grouped_mm", grouped), ("sloth", ours)):
-            if "median_ms" in other:
-                results[f"fused_speedup_vs_{name}"] = other["median_ms"] / fused["median_ms"]
-            if "pipelined_ms" in other:
-                results[f"fused_pipelined_speedup_vs_{name}"] = other["pipelined_ms"] / fused["pipelined_ms"]
-            mine, theirs = fused.get("graphed", {}), other.get("graphed", {})
-            if "median_ms" in mine and "median_ms" in theirs:
-                results[f"fused_graphed_speedup_vs_{name}"] = theirs["median_ms"] / mine["median_ms"]
-                results[f"fused_graphed_pipelined_speedup_vs_{name}"] = (
-                    theirs["pipelined_ms"] / mine["pipelined_ms"]
-                )
+    results |= _speedups("fused", fused, {"grouped_mm": grouped, "sloth": ours})
     if variants and len(variants) > 1:
         sweep = [
             {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o, "weight_loads": ld}
@@ -632,17 +621,36 @@ def run_case(
             results["sweep_best"] = best
             if "median_ms" in grouped:
                 results["sweep_best_speedup_vs_grouped_mm"] = grouped["median_ms"] / best["median_ms"]
-    fp8 = results.get("sloth_fp8", {})
-    if "median_ms" in fp8:
-        for name, other in (("grouped_mm", grouped), ("sloth", ours), ("sloth_fused", fused)):
-            if "median_ms" in other:
-                results[f"fp8_speedup_vs_{name}"] = other["median_ms"] / fp8["median_ms"]
+    results |= _speedups(
+        "fp8", results.get("sloth_fp8", {}), {"grouped_mm": grouped, "sloth": ours, "sloth_fused": fused}
+    )
     nf4 = results.get("sloth_nf4", {})
     if "median_ms" in nf4 and "median_ms" in ours:
         results["nf4_time_ratio_vs_sloth_bf16"] = nf4["median_ms"] / ours["median_ms"]
         results["nf4_total_peak_gib"] = nf4["base_allocated_gib"] + nf4["peak_over_base_gib"]
         results["bf16_total_peak_gib"] = ours["base_allocated_gib"] + ours["peak_over_base_gib"]
     return results
+
+
+def _speedups(prefix: str, mine: dict, others: dict[str, dict]) -> dict:
+    """``{prefix}_speedup_vs_{name}`` (synchronised steps), ``{prefix}_pipelined_speedup_vs_{name}``
+    (back to back) and, where both were captured, ``{prefix}_graphed_speedup_vs_{name}`` and
+    ``{prefix}_graphed_pipelined_speedup_vs_{name}``: another system's time over this one's."""
+    out = {}
+    if "median_ms" not in mine:
+        return out
+    for name, other in others.items():
+        if "median_ms" in other:
+            out[f"{prefix}_speedup_vs_{name}"] = other["median_ms"] / mine["median_ms"]
+        if "pipelined_ms" in other and "pipelined_ms" in mine:
+            out[f"{prefix}_pipelined_speedup_vs_{name}"] = other["pipelined_ms"] / mine["pipelined_ms"]
+        graphed, theirs = mine.get("graphed", {}), other.get("graphed", {})
+        if "median_ms" in graphed and "median_ms" in theirs:
+            out[f"{prefix}_graphed_speedup_vs_{name}"] = theirs["median_ms"] / graphed["median_ms"]
+            out[f"{prefix}_graphed_pipelined_speedup_vs_{name}"] = (
+                theirs["pipelined_ms"] / graphed["pipelined_ms"]
+            )
+    return out
 
 
 def summary(report: dict) -> str:
@@ -682,6 +690,14 @@ def summary(report: dict) -> str:
             if energy:
                 cells = "".join((f"{energy[s]:.2f} J" if s in energy else "-").rjust(17) for s in systems)
                 lines.append("  energy per replay".ljust(26) + cells)
+        fp8 = [result.get(f"fp8_{k}speedup_vs_grouped_mm") for k in ("", "pipelined_", "graphed_")]
+        if fp8[0] is not None:
+            text = ", ".join(
+                f"{label} {r:.2f}x"
+                for label, r in zip(("synchronised", "back to back", "as a CUDA graph"), fp8, strict=True)
+                if r is not None
+            )
+            lines.append("  FP8 experts vs grouped_mm: " + text)
         for entry in result.get("sweep", []):
             label = f"  tiles {entry['tiles'] or 'default'}, wgrad {entry['wgrad_tiles'] or 'default'}"
             if entry.get("down_rank_max") is not None:

@@ -1,5 +1,8 @@
 """benchmarks/moe_bench.py's pure parts on the CPU: the tile sweep's configurations, the router knob, the summary's rows, the power meter over NVML."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from _scripts import benchmark_script
@@ -197,3 +200,22 @@ def test_the_router_knob_installs_the_plugins_router_on_sloth_systems_only():
     finally:
         bench._set_router("transformers")
         set_fused_permutation(switch)
+
+
+def test_the_fp8_system_gets_the_fused_paths_speedups_and_a_summary_line():
+    """``sloth_fp8`` gets the same ratios as the fused block (synchronised, back to back, as a graph),
+    and the summary names them: the committed GPT-OSS-20B run gives 3.03x as a graph."""
+    path = Path(__file__).parents[1] / "benchmarks" / "results" / "moe_fp8_graphs_energy_h200.json"
+    result = json.loads(path.read_text())["results"]["gpt_oss_20b/lora"]
+    systems = {name: result[name] for name in ("grouped_mm", "sloth_fused", "sloth_fp8")}
+    ratios = bench._speedups("fp8", systems["sloth_fp8"], {"grouped_mm": systems["grouped_mm"]})
+    assert ratios["fp8_graphed_speedup_vs_grouped_mm"] == pytest.approx(37.08 / 12.22, rel=1e-3)
+    assert ratios["fp8_speedup_vs_grouped_mm"] == pytest.approx(result["fp8_speedup_vs_grouped_mm"])
+    fused = bench._speedups("fused", systems["sloth_fused"], {"grouped_mm": systems["grouped_mm"]})
+    assert fused == {
+        k: v for k, v in result.items() if k.startswith("fused_") and k.endswith("vs_grouped_mm")
+    }
+    assert bench._speedups("fp8", {}, {"grouped_mm": systems["grouped_mm"]}) == {}
+    lines = bench.summary({"results": {"gpt_oss_20b/lora": {**systems, **ratios}}}).splitlines()
+    fp8 = next(line for line in lines if line.startswith("  FP8 experts vs grouped_mm"))
+    assert "synchronised 2.89x" in fp8 and "back to back 3.06x" in fp8 and "as a CUDA graph 3.03x" in fp8
