@@ -405,12 +405,13 @@ def _rows_descriptor(x: torch.Tensor, bm: int, bk: int) -> TensorDescriptor | No
 
 
 def _traced(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a traced tensor (fake, functional): torch traces a ``triton_op``'s kernels
+    """Whether ``t`` is a traced tensor (fake; functional, the Python or the C++ wrapper, whose
+    ``data_ptr`` is 0 or an error, not the tensor's address): torch traces a ``triton_op``'s kernels
     outside Dynamo (``torch.compile``'s AOT pass, ``opcheck``), where it does not capture TMA
     descriptors (torch 2.11's ``TracingTritonHOPifier``: "TMA descriptor capturing not yet supported
     in non-dynamo tracing"; the graph would launch a descriptor over a traced tensor), so a traced
     call keeps the pointer loads."""
-    return is_fake(t) or isinstance(t, FunctionalTensor)
+    return is_fake(t) or isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t)
 
 
 @triton.jit

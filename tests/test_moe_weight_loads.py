@@ -254,3 +254,6 @@ def test_traced_calls_keep_the_pointer_loads_and_plain_tiles(monkeypatch):
             functional.data_ptr()
         assert kernels._rows_descriptor(functional, 16, 16) is None
         assert kernels._weight_descriptor(FunctionalTensor.to_functional(w), False, 16, 32) is None
+    # functionalize()'s C++ wrapper around a real tensor: its data_ptr is 0, not the tensor's address
+    wrapped = torch._to_functional_tensor(torch.empty(40, 32))
+    assert wrapped.data_ptr() == 0 and kernels._rows_descriptor(wrapped, 16, 16) is None
