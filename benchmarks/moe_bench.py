@@ -59,11 +59,6 @@ tiles (``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads
 descriptor in a warp-specialised K loop, or descriptors for the weights and for the rows of the GEMMs
 whose rows are already in expert order.
 
-``--activation-in-combine "1;0"`` is a sixth: whether GPT-OSS's clamped SwiGLU runs inside the second
-fused op, its backward in the epilogue of the input gradient's GEMM
-(``lightning_sloth.moe.fused.ACTIVATION_IN_COMBINE``), or as its own op (a separate pass over the
-``[S, I]`` gradient); it changes nothing on the Qwen3 shape.
-
 The router: every system runs transformers' own (bf16 logits), so the systems differ in their experts
 only. ``--router sloth`` gives lightning_sloth's systems the router ``apply_experts`` installs on a
 model instead (``lightning_sloth.patching.install_router``: float32 logits; the GEMM, the top k and
@@ -435,7 +430,6 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 _DEFAULT_DOWN_RANK_MAX = None
 _DEFAULT_GROUPED_MM = None
 _DEFAULT_WEIGHT_LOADS = None
-_DEFAULT_ACTIVATION = None
 
 
 def _set_tiles(
@@ -444,12 +438,11 @@ def _set_tiles(
     down: int | None = None,
     grouped: str | None = None,
     loads: str | None = None,
-    activation: bool | None = None,
 ) -> None:
-    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS, _DEFAULT_ACTIVATION
+    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS
     from lightning_sloth.kernels import moe_fused
 
-    from lightning_sloth.moe import fused, indexed
+    from lightning_sloth.moe import indexed
 
     by_depth = tiles is not None and tiles[0] == "depth"
     moe_fused.TILES, moe_fused.WGRAD_TILES = (None if by_depth else tiles), wgrad
@@ -458,8 +451,6 @@ def _set_tiles(
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
         _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
         _DEFAULT_WEIGHT_LOADS = moe_fused.WEIGHT_LOADS
-        _DEFAULT_ACTIVATION = fused.ACTIVATION_IN_COMBINE
-    fused.ACTIVATION_IN_COMBINE = _DEFAULT_ACTIVATION if activation is None else activation
     moe_fused.WEIGHT_LOADS = _DEFAULT_WEIGHT_LOADS if loads is None else loads
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
     flags = _DEFAULT_GROUPED_MM if grouped is None else indexed.grouped_mm_choice(grouped)
@@ -494,32 +485,16 @@ def _loads(text: str | None) -> list[str | None]:
     return _knob(text, checked)
 
 
-def _switches(text: str | None) -> list[bool | None]:
-    """``"1;0"`` -> ``[True, False]``; anything but 1/0/true/false is an error naming it."""
-
-    def checked(value: str) -> bool:
-        if value.lower() not in ("1", "0", "true", "false"):
-            raise ValueError(f"--activation-in-combine takes 1 or 0; got {value!r}")
-        return value.lower() in ("1", "true")
-
-    return _knob(text, checked)
-
-
 def _variants(
     fused_tiles: str | None,
     wgrad_tiles: str | None,
     down_ranks: str | None = None,
     grouped: str | None = None,
     loads: str | None = None,
-    activation: str | None = None,
 ) -> list[tuple]:
     """The first configuration of each knob, then every other one with the other knobs at their first:
-    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads, activation
-    inside the combine)``."""
-    knobs = [
-        _tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads),
-        _switches(activation),
-    ]  # fmt: skip
+    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads)``."""
+    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads)]
     first = tuple(k[0] for k in knobs)
     out = [first]
     for i, values in enumerate(knobs):
@@ -593,15 +568,8 @@ def run_case(
     results |= _speedups("fused", fused, {"grouped_mm": grouped, "sloth": ours})
     if variants and len(variants) > 1:
         sweep = [
-            {
-                "tiles": t,
-                "wgrad_tiles": w,
-                "down_rank_max": d,
-                "grouped_mm": o,
-                "weight_loads": ld,
-                "activation_in_combine": act,
-            }  # fmt: skip
-            for t, w, d, o, ld, act in variants
+            {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o, "weight_loads": ld}
+            for t, w, d, o, ld in variants
         ]
         times: list[list[float]] = [[] for _ in variants]
         graphed_times: list[list[float]] = [[] for _ in variants]
@@ -738,8 +706,6 @@ def summary(report: dict) -> str:
                 label += f", torch._grouped_mm for {entry['grouped_mm']}"
             if entry.get("weight_loads") is not None:
                 label += f", weights through {entry['weight_loads']}"
-            if entry.get("activation_in_combine") is not None:
-                label += f", activation {'inside' if entry['activation_in_combine'] else 'separate'}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             replayed = entry.get("graphed", {})
             if "median_ms" in replayed:
@@ -790,12 +756,6 @@ def main(argv: list[str] | None = None) -> dict:
         "warp-specialised), tma_rows (tma, and rows in expert order through a descriptor); several: ';'",
     )
     parser.add_argument(
-        "--activation-in-combine",
-        default=None,
-        help="1: GPT-OSS's clamped SwiGLU inside the second fused op (its backward in a GEMM epilogue); "
-        "0: its own op; several: ';'",
-    )
-    parser.add_argument(
         "--group-m",
         type=int,
         default=None,
@@ -834,9 +794,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out = args.out or _default_out(args.fused)
     try:
         variants = _variants(
-            args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm, args.weight_loads,
-            args.activation_in_combine,
-        )  # fmt: skip
+            args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm, args.weight_loads
+        )
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])

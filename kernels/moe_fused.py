@@ -95,12 +95,6 @@ def _weight_loads(device: torch.device) -> str:
     return WEIGHT_LOADS
 
 
-ACT_EPILOGUE = 4
-"""How ``grouped_mm(act_h=...)``'s epilogue reads h and writes its gradient: 1 the whole tile's
-``[BM, 2 BN]`` block split in registers, 2 stride-2 reads and writes in the accumulator's layout, 3 / 4
-the tile cut into two / four column blocks first. 4: the only way without register spills at the
-Hopper tiles (``benchmarks/results/act_epilogue_probe_h200.json``)."""
-
 WGRAD_TILES: tuple[int, int, int, int, int] | None = None
 """``(BA, BB, BR, num_warps, num_stages)`` of the weight-gradient kernel for 16-bit CUDA operands
 (a benchmark's sweep sets it; None keeps the default). BA and BB shrink to a rank-r side."""
@@ -152,7 +146,7 @@ def _indexed_grouped_mm_kernel(
     SCALED: tl.constexpr, OUT_INDEXED: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     HAS_X2: tl.constexpr, BK2: tl.constexpr, DOWN_IN_KERNEL: tl.constexpr, KEEP_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, W_DESC: tl.constexpr, W_DESC_KN: tl.constexpr,
-    WS: tl.constexpr, X_DESC: tl.constexpr, ACT: tl.constexpr, H, stride_hm, alpha, limit,
+    WS: tl.constexpr, X_DESC: tl.constexpr,
 ):  # fmt: skip
     # Programs walk groups of GROUP_M M tiles, M fastest inside a group: the CTAs running together share
     # a few M tiles' (gathered) rows and a band of one expert's weight columns in L2.
@@ -253,152 +247,15 @@ def _indexed_grouped_mm_kernel(
                 acc = _dot(x2, w2, acc)
         if HAS_BIAS:
             acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if ACT > 0:  # acc is the gradient of the clamped SwiGLU's output: write its input's gradient
-            _clamped_swiglu_grad_store(
-                acc.to(OUT.dtype.element_ty), OUT, H, rows, row_mask, pid_n * BN, n_out, stride_om, stride_hm,
-                alpha, limit, BM, BN, ACT,
-            )  # fmt: skip
+        if OUT_INDEXED:
+            o_rows = tl.load(OUT_IDX + rows, mask=row_mask, other=0).to(tl.int64)
         else:
-            if OUT_INDEXED:
-                o_rows = tl.load(OUT_IDX + rows, mask=row_mask, other=0).to(tl.int64)
-            else:
-                o_rows = rows
-            out_ptrs = OUT + o_rows[:, None] * stride_om + cols[None, :] * stride_on
-            out_mask = row_mask[:, None] & col_mask[None, :]
-            if ACCUMULATE:
-                acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _clamped_swiglu_grad_tile(
-    dy, DH, H, rows, row_mask, col0, n_cols, stride_dh, stride_h, alpha, limit, BM: tl.constexpr, BN: tl.constexpr,
-    STRIDED: tl.constexpr,
-):  # fmt: skip
-    """GPT-OSS's clamped SwiGLU backward on a ``[BM, BN]`` tile of its output gradient ``dy`` (rounded
-    to the output's dtype, as the separate pass reads it): h's interleaved gate/up columns
-    ``2 col0 .. 2 (col0 + BN)`` are read and their gradient stored, either as one contiguous
-    ``[BM, 2 BN]`` block split in registers, or (``STRIDED``) as two stride-2 ``[BM, BN]`` reads and
-    writes in dy's own layout."""
-    dout = dy.to(tl.float32)
-    if STRIDED:
-        cols = col0 + tl.arange(0, BN)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        base = rows[:, None] * stride_h + 2 * cols[None, :]
-        gate_in = tl.load(H + base, mask=mask, other=0.0).to(tl.float32)
-        up_in = tl.load(H + base + 1, mask=mask, other=0.0).to(tl.float32)
-    else:
-        pairs = 2 * col0 + tl.arange(0, 2 * BN)
-        mask = row_mask[:, None] & (pairs < 2 * n_cols)[None, :]
-        both = tl.load(H + rows[:, None] * stride_h + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
-        gate_in, up_in = tl.split(tl.reshape(both, (BM, BN, 2)))
-    gate = tl.minimum(gate_in, limit)
-    up = tl.minimum(tl.maximum(up_in, -limit), limit)
-    s = tl.sigmoid(gate * alpha)
-    glu = gate * s
-    d_gate = tl.where(gate_in <= limit, dout * (up + 1.0) * (s + glu * alpha * (1.0 - s)), 0.0)
-    d_up = tl.where((up_in >= -limit) & (up_in <= limit), dout * glu, 0.0)
-    if STRIDED:
-        out = rows[:, None] * stride_dh + 2 * cols[None, :]
-        tl.store(DH + out, d_gate.to(DH.dtype.element_ty), mask=mask)
-        tl.store(DH + out + 1, d_up.to(DH.dtype.element_ty), mask=mask)
-    else:
-        dh = tl.reshape(tl.join(d_gate, d_up), (BM, 2 * BN))
-        tl.store(DH + rows[:, None] * stride_dh + pairs[None, :], dh.to(DH.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _clamped_swiglu_grad_store(
-    dy, DH, H, rows, row_mask, col0, n_cols, stride_dh, stride_h, alpha, limit, BM: tl.constexpr, BN: tl.constexpr,
-    ACT: tl.constexpr,
-):  # fmt: skip
-    """The clamped SwiGLU backward of a ``[BM, BN]`` output tile (:func:`_clamped_swiglu_grad_tile`):
-    ``ACT`` 1 the whole tile split in registers, 2 stride-2 reads and writes, 3 and 4 the tile cut
-    in two / four column blocks first (fewer registers live at once)."""
-    if ACT == 1:
-        _clamped_swiglu_grad_tile(
-            dy, DH, H, rows, row_mask, col0, n_cols, stride_dh, stride_h, alpha, limit, BM, BN, False
-        )
-    elif ACT == 2:
-        _clamped_swiglu_grad_tile(
-            dy, DH, H, rows, row_mask, col0, n_cols, stride_dh, stride_h, alpha, limit, BM, BN, True
-        )
-    elif ACT == 3:
-        d0, d1 = tl.split(tl.permute(tl.reshape(dy, (BM, 2, BN // 2)), (0, 2, 1)))
-        _clamped_swiglu_grad_tile(
-            d0, DH, H, rows, row_mask, col0, n_cols, stride_dh, stride_h, alpha, limit, BM, BN // 2, False
-        )
-        _clamped_swiglu_grad_tile(
-            d1,
-            DH,
-            H,
-            rows,
-            row_mask,
-            col0 + BN // 2,
-            n_cols,
-            stride_dh,
-            stride_h,
-            alpha,
-            limit,
-            BM,
-            BN // 2,
-            False,
-        )
-    else:
-        d0, d1 = tl.split(tl.permute(tl.reshape(dy, (BM, 2, BN // 2)), (0, 2, 1)))
-        q0, q1 = tl.split(tl.permute(tl.reshape(d0, (BM, 2, BN // 4)), (0, 2, 1)))
-        q2, q3 = tl.split(tl.permute(tl.reshape(d1, (BM, 2, BN // 4)), (0, 2, 1)))
-        _clamped_swiglu_grad_tile(
-            q0, DH, H, rows, row_mask, col0, n_cols, stride_dh, stride_h, alpha, limit, BM, BN // 4, False
-        )
-        _clamped_swiglu_grad_tile(
-            q1,
-            DH,
-            H,
-            rows,
-            row_mask,
-            col0 + BN // 4,
-            n_cols,
-            stride_dh,
-            stride_h,
-            alpha,
-            limit,
-            BM,
-            BN // 4,
-            False,
-        )
-        _clamped_swiglu_grad_tile(
-            q2,
-            DH,
-            H,
-            rows,
-            row_mask,
-            col0 + BN // 2,
-            n_cols,
-            stride_dh,
-            stride_h,
-            alpha,
-            limit,
-            BM,
-            BN // 4,
-            False,
-        )
-        _clamped_swiglu_grad_tile(
-            q3,
-            DH,
-            H,
-            rows,
-            row_mask,
-            col0 + 3 * BN // 4,
-            n_cols,
-            stride_dh,
-            stride_h,
-            alpha,
-            limit,
-            BM,
-            BN // 4,
-            False,
-        )
+            o_rows = rows
+        out_ptrs = OUT + o_rows[:, None] * stride_om + cols[None, :] * stride_on
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
 
 
 def grouped_mm(
@@ -423,9 +280,6 @@ def grouped_mm(
     lora_scale: float = 1.0,
     r_out: torch.Tensor | None = None,
     keep_scaled: bool = False,
-    act_h: torch.Tensor | None = None,
-    act_alpha: float = 0.0,
-    act_limit: float = 0.0,
 ) -> torch.Tensor:
     """Grouped GEMM over ``S`` rows in expert order, operand rows and output rows through indices.
 
@@ -453,28 +307,14 @@ def grouped_mm(
             (``down_is_kn``) or ``[E, r, K]``, r <= 64; w2 is the up factor. No second pass over the
             ``[S, K]`` rows.
         r_out: ``[S, r]`` that receives ``x2`` (``keep_scaled``) or ``side``, with ``down``.
-        act_h: the epilogue is GPT-OSS's clamped SwiGLU backward: the product (rounded to x's dtype)
-            is the gradient of ``clamped_swiglu(act_h)`` (``act_h`` ``[S, 2N]``, interleaved gate/up,
-            unit column stride), and the output is act_h's gradient, ``[S, 2N]`` (``act_alpha``,
-            ``act_limit``: the activation's constants). Not with ``out`` or ``out_idx``.
 
     Returns:
-        out, ``[S, N]`` in x's dtype (``[S, 2N]`` with ``act_h``).
+        out, ``[S, N]`` in x's dtype.
     """
     n_rows = rows if rows is not None else (a_idx.shape[0] if a_idx is not None else x.shape[0])
     experts, n_in = w.shape[0], x.shape[1]
     n_out = w.shape[2] if w_is_kn else w.shape[1]
     accumulate = out is not None
-    if act_h is not None:
-        if out is not None or out_idx is not None:
-            raise ValueError(
-                "grouped_mm: the activation's backward epilogue writes a new output in row order"
-            )
-        if act_h.shape != (n_rows, 2 * n_out) or act_h.stride(1) != 1:
-            raise ValueError(
-                f"grouped_mm: act_h {tuple(act_h.shape)} must be [S, 2N] = [{n_rows}, {2 * n_out}], unit column stride"
-            )
-        out = x.new_empty((n_rows, 2 * n_out)) if covered else x.new_zeros((n_rows, 2 * n_out))
     if out is None:
         out = x.new_empty((n_rows, n_out)) if covered else x.new_zeros((n_rows, n_out))
     if n_rows == 0 or n_out == 0:
@@ -526,8 +366,6 @@ def grouped_mm(
         EVEN_K=n_in % bk == 0, GROUP_M=GROUP_M, W_DESC=descriptor is not None,
         W_DESC_KN=descriptor is not None and descriptor[1],
         WS=descriptor is not None and loads == "tma_ws" and down is None, X_DESC=rows_descriptor is not None,
-        ACT=ACT_EPILOGUE if act_h is not None else 0, H=act_h if act_h is not None else out,
-        stride_hm=act_h.stride(0) if act_h is not None else 0, alpha=float(act_alpha), limit=float(act_limit),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -22,7 +22,6 @@ from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3M
 from lightning_sloth.moe import fused, group_by_expert, moe_combine, moe_gather, moe_sum
 from lightning_sloth.moe.fused import gather_lora_grouped_mm, lora_grouped_mm_combine, set_fused_permutation
 from lightning_sloth.moe.gemm import lora_grouped_mm
-from lightning_sloth.moe.ops import clamped_swiglu
 from lightning_sloth.ops.nf4_formats import dequantize_4bit_reference, quantize_4bit
 from lightning_sloth.patching import apply_experts
 
@@ -184,105 +183,8 @@ def test_opcheck_both_ops():
     torch.library.opcheck(
         torch.ops.sloth.moe_lora_grouped_mm_combine.default,
         (t["a"], t["weights"], g.perm, k, t["w"], None, None, 0, list(t["w"].shape), None, a_, b_, 0.5, g.ends,
-         empty, False, 0, 0.0, 0.0),
+         empty, False),
     )  # fmt: skip
-    h = torch.randn(t["a"].shape[0], 2 * t["a"].shape[1], dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(  # the clamped SwiGLU inside the op
-        torch.ops.sloth.moe_lora_grouped_mm_combine.default,
-        (h, t["weights"], g.perm, k, t["w"], None, None, 0, list(t["w"].shape), t["bias"], a_, b_, 0.5, g.ends,
-         g.expert_ids, False, 1, 1.702, 0.9),
-    )  # fmt: skip
-
-
-_ALPHA, _LIMIT = 1.702, 1.5  # a limit the random pre-activations cross, so both clamps are exercised
-
-
-def _activation_parity(case, dtype, rtol, atol, weighted):
-    """``lora_grouped_mm_combine(h, ..., activation=...)`` against the activation op then the combine
-    (h ``[S, 2 in]``): the output and every gradient, h's included."""
-    g, k = case["grouping"], case["top_k"]
-    gen = torch.Generator().manual_seed(5)
-    h0 = 2 * torch.randn(case["a"].shape[0], 2 * case["a"].shape[1], generator=gen, dtype=torch.float64)
-    assert (h0[:, ::2] > _LIMIT).any() and (h0[:, 1::2].abs() > _LIMIT).any()
-    results = []
-    for inside in (False, True):
-        t = _leaves(case, dtype)
-        h = h0.to(dtype).requires_grad_()
-        lora_a, lora_b = t["lora"]
-        weights = t["weights"] if weighted else None
-        kw = dict(transposed=case["transposed"], bias=t["bias"], expert_ids=g.expert_ids)
-        if inside:
-            kw["activation"] = (_ALPHA, _LIMIT)
-        a = h if inside else clamped_swiglu(h, _ALPHA, _LIMIT)
-        out = lora_grouped_mm_combine(a, weights, g.perm, k, t["w"], lora_a, lora_b, 0.5, g.ends, **kw)
-        leaves = [v for v in (h, t["w"], t["bias"], weights, lora_a, lora_b) if v is not None]
-        grad = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
-        results.append((out, torch.autograd.grad(out, leaves, grad)))
-    (out_ref, grads_ref), (out, grads) = results
-    torch.testing.assert_close(out, out_ref, rtol=rtol, atol=atol)
-    for got, want in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-    assert bool((grads[0] == 0).any())  # the clamps pass no gradient
-    return out, grads
-
-
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize(
-    "top_k, rank, bias, weighted", [(1, 3, False, True), (2, 0, True, True), (4, 3, True, False)]
-)
-def test_clamped_swiglu_inside_the_combine_equals_the_activation_op(transposed, top_k, rank, bias, weighted):
-    _activation_parity(_case(transposed, top_k, rank, bias), torch.float64, 1e-12, 1e-12, weighted)
-
-
-def test_clamped_swiglu_inside_the_combine_checks_its_input():
-    case = _case(False, 2, 3, False)
-    g = case["grouping"]
-    odd = torch.randn(case["a"].shape[0], 2 * case["a"].shape[1] + 1, dtype=torch.float64)
-    with pytest.raises(ValueError, match="with an activation, a is the interleaved"):
-        lora_grouped_mm_combine(
-            odd, None, g.perm, 2, case["w"], *case["lora"], 0.5, g.ends, activation=(1.7, 7.0)
-        )
-    with pytest.raises(ValueError, match="do not fit"):  # h of the wrong width for the weight
-        wide = torch.randn(case["a"].shape[0], 2 * case["a"].shape[1] + 2, dtype=torch.float64)
-        lora_grouped_mm_combine(
-            wide, None, g.perm, 2, case["w"], *case["lora"], 0.5, g.ends, activation=(1.7, 7.0)
-        )
-
-
-@interpreted_only
-@pytest.mark.parametrize(
-    "top_k, transposed, rank, bias, weighted",
-    [(1, False, 3, False, True), (4, True, 3, True, True), (2, True, 0, False, False)],
-)
-def test_kernels_interpreted_clamped_swiglu_backward_in_the_epilogue(top_k, transposed, rank, bias, weighted):
-    """The input gradient's GEMM writes h's gradient from its epilogue: float32 against the activation
-    op and the separate pass, the same bits on a rerun, and the kernel's epilogue equal bit for bit to
-    the separate backward kernel applied to the GEMM's (rounded) output."""
-    case = _case(transposed, top_k, rank, bias, n_in=19, n_out=22)
-    out, grads = _activation_parity(case, torch.float32, 2e-5, 2e-5, weighted)
-    again = _activation_parity(case, torch.float32, 2e-5, 2e-5, weighted)
-    assert torch.equal(again[0], out) and all(torch.equal(a, b) for a, b in zip(again[1], grads, strict=True))
-
-    from lightning_sloth.kernels import moe as moe_kernels
-    from lightning_sloth.kernels import moe_fused as kernels
-
-    g = case["grouping"]
-    gen = torch.Generator().manual_seed(3)
-    grad = torch.randn(case["x"].shape[0], 22, generator=gen)
-    w = case["w"].float()
-    h = 2 * torch.randn(g.perm.shape[0], 38, generator=gen)
-    flat = case["weights"].reshape(-1).float()
-    rows = dict(a_idx=g.perm, div=top_k, scale=flat)
-    dy = kernels.grouped_mm(grad, w, g.ends, not transposed, covered=True, **rows)
-    want = moe_kernels.clamped_swiglu_backward(dy, h, _ALPHA, _LIMIT)
-    got = kernels.grouped_mm(
-        grad, w, g.ends, not transposed, covered=True, act_h=h, act_alpha=_ALPHA, act_limit=_LIMIT, **rows
-    )
-    assert got.shape == h.shape and torch.equal(got, want)
-    with pytest.raises(ValueError, match="act_h"):
-        kernels.grouped_mm(
-            grad, w, g.ends, not transposed, act_h=h[:, :-2], act_alpha=1.0, act_limit=1.0, **rows
-        )
 
 
 def test_flops_are_counted():

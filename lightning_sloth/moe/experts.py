@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_sloth.moe import fused as fused_module
 from lightning_sloth.moe.fp8 import expert_fp8_storage, has_fp8_experts, lora_grouped_mm_fp8
 from lightning_sloth.moe.fused import (
     fused_permutation_enabled,
@@ -137,11 +136,9 @@ def _fused_project(
     top_k: int,
     weights: Tensor | None = None,
     first: bool = True,
-    activation: tuple[float, float] | None = None,
 ) -> Tensor:
     """The first projection reading token rows through ``perm`` (x ``[T, in]``), or the second writing
-    through it and summing per token (x ``[S, in]``, weighted by ``weights`` unless None; with
-    ``activation``, x is h ``[S, 2 in]`` and the op applies the clamped SwiGLU itself)."""
+    through it and summing per token (x ``[S, in]``, weighted by ``weights`` unless None)."""
     dtype = x.dtype
     storage = expert_storage(experts, name)
     weight = None if storage is not None else getattr(experts, name).to(dtype)
@@ -154,9 +151,7 @@ def _fused_project(
     )
     if first:
         return gather_lora_grouped_mm(x, grouping.perm, top_k, weight, *args, **kwargs)
-    return lora_grouped_mm_combine(
-        x, weights, grouping.perm, top_k, weight, *args, **kwargs, activation=activation
-    )
+    return lora_grouped_mm_combine(x, weights, grouping.perm, top_k, weight, *args, **kwargs)
 
 
 def _activate(experts: nn.Module, layout: ExpertLayout, h: Tensor) -> Tensor:
@@ -229,12 +224,11 @@ def experts_forward(
             lora.get("gate_up_proj"),
             top_k,
         )
-        # GPT-OSS's clamped SwiGLU runs inside the second op: its backward rides that GEMM's epilogue.
-        inside = layout.clamped and fused_module.ACTIVATION_IN_COMBINE
-        if weight_first:
-            a = weighted_swiglu(h, top_k_weights, grouping.perm)
-        else:
-            a = h if inside else _activate(experts, layout, h)
+        a = (
+            weighted_swiglu(h, top_k_weights, grouping.perm)
+            if weight_first
+            else _activate(experts, layout, h)
+        )
         del h
         out = _fused_project(
             a,
@@ -247,7 +241,6 @@ def experts_forward(
             top_k,
             None if weight_first else top_k_weights,
             first=False,
-            activation=(experts.alpha, experts.limit) if inside else None,
         )
         return out.to(hidden_states.dtype)
     x = moe_gather(hidden_states.to(dtype), grouping.perm, grouping.inv, top_k)

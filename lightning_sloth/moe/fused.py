@@ -49,7 +49,6 @@ from lightning_sloth.moe.indexed import indexed_lora_grouped_mm as _lora_gemm
 from lightning_sloth.moe.indexed import indexed_weight_grad as _wgrad
 from lightning_sloth.moe.indexed import slot_dot as _slot_dot
 from lightning_sloth.moe.indexed import slot_sum as _slot_sum
-from lightning_sloth.moe.ops import clamped_swiglu_grad, clamped_swiglu_values
 from lightning_sloth.moe.switch import (
     FUSED_ATTR,
     fused_permutation_enabled,
@@ -59,7 +58,6 @@ from lightning_sloth.moe.switch import (
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
 __all__ = [
-    "ACTIVATION_IN_COMBINE",
     "FUSED_ATTR",
     "fused_permutation_enabled",
     "fused_permutation_setting",
@@ -67,14 +65,6 @@ __all__ = [
     "lora_grouped_mm_combine",
     "set_fused_permutation",
 ]
-
-
-ACTIVATION_IN_COMBINE = False
-"""Whether GPT-OSS's clamped SwiGLU runs inside the second op (``lora_grouped_mm_combine(h, ...,
-activation=(alpha, limit))``): its forward is the same kernel, and its backward is made in the epilogue
-of the input gradient's GEMM, which reads h's tile and writes h's gradient instead of writing the
-activation's gradient for a separate pass to read back. Off: on the H200 GPT-OSS-20B block it gained
-nothing measurable (``moe_fused_graphs_activation_way4_h200.json``) and held 0.35 GiB more at the peak."""
 
 
 # ------------------------------------------------------------------ first GEMM: gather fused
@@ -266,29 +256,19 @@ def _combine_op(
     ends: Tensor,
     expert_ids: Tensor,
     transposed: bool,
-    act: int,
-    alpha: float,
-    limit: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(out [T, N], y [S, N] in slot order, xa [S, r], a)``: ``out[t] = sum_j w[t, j] y[t k + j]`` (fp32).
-
-    ``act`` 1: the first input is h ``[S, 2I]`` and ``a = clamped_swiglu(h, alpha, limit)`` is made here
-    (returned for the backward); 0: the first input is ``a`` itself (an empty fourth output)."""
-    h = a if act else None
-    if act:
-        a = clamped_swiglu_values(h, alpha, limit)
-    kept = a if act else a.new_empty(0)
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out [T, N], y [S, N] in slot order, xa [S, r])``: ``out[t] = sum_j w[t, j] y[t k + j]`` (fp32)."""
     w = _weight(weight, absmax, code, blocksize, shape, a.dtype)
     rank = lora_a.shape[1]
     if _ix.ordered_grouped_mm(a, shape, rank):  # y in expert order, summed through the inverse permutation
         y, xa = lora_rows(a, w, bias, lora_a, lora_b, scale, ends, expert_ids, transposed)
-        return _ix.ordered_rows_sum(y, perm, top_k, weights), y, xa, kept
+        return _ix.ordered_rows_sum(y, perm, top_k, weights), y, xa
     if _down_in_kernel(a, rank, w.shape[2] if transposed else w.shape[1]):  # xa made inside the GEMM
         lora = dict(
             down=lora_a, down_is_kn=False, up=lora_b, up_is_kn=False, lora_scale=scale, keep_scaled=False
         )
         y, xa = _lora_gemm(a, w, ends, transposed, bias=bias, expert_ids=expert_ids, out_idx=perm, **lora)
-        return _slot_sum(y, top_k, weights), y, xa, kept
+        return _slot_sum(y, top_k, weights), y, xa
     lora = {}
     if rank:
         xa = _mm(a, lora_a, ends, w_is_kn=False)
@@ -296,13 +276,13 @@ def _combine_op(
     else:
         xa = a.new_empty((a.shape[0], 0))
     y = _gemm(a, w, ends, transposed, bias=bias, expert_ids=expert_ids, out_idx=perm, **lora)
-    return _slot_sum(y, top_k, weights), y, xa, kept
+    return _slot_sum(y, top_k, weights), y, xa
 
 
 @_combine_op.register_fake
 def _combine_fake(
     a, weights, perm, top_k, weight, absmax, code, blocksize, shape, bias, lora_a, lora_b, scale, ends, ids,
-    transposed, act, alpha, limit,
+    transposed,
 ):  # fmt: skip
     n = shape[2] if transposed else shape[1]
     tokens = perm.shape[0] // top_k
@@ -310,7 +290,6 @@ def _combine_fake(
         a.new_empty((tokens, n)),
         a.new_empty((perm.shape[0], n)),
         a.new_empty((a.shape[0], lora_a.shape[1])),
-        a.new_empty((a.shape[0], a.shape[1] // 2)) if act else a.new_empty(0),
     )
 
 
@@ -338,16 +317,10 @@ def _combine_backward_op(
     need_w: bool,
     need_a: bool,
     need_b: bool,
-    h: Tensor,
-    act: int,
-    alpha: float,
-    limit: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(da [S, K], dweights [T, k], dW, dA, dB)``: row s of the output gradient is read as
-    ``grad[perm[s] // k] * weights.flat[perm[s]]``, never gathered. With ``act`` 1 the first is h's
-    gradient ``[S, 2K]`` instead, the clamped SwiGLU's backward made in the input gradient's epilogue."""
+    ``grad[perm[s] // k] * weights.flat[perm[s]]``, never gathered."""
     rank = lora_a.shape[1]
-    act_args = (h, alpha, limit) if act else None
     flat = None if weights is None else weights.reshape(-1)
     rows = dict(a_idx=perm, div=top_k, scale=flat)
     gathered = (need_in or need_a) and _ix.gathered_grouped_mm(grad, shape, rank)
@@ -361,14 +334,13 @@ def _combine_backward_op(
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
         if gathered:
             da_in = _ix.lora_input_grad(grows, w, ends, not transposed, g, lora_a)
-            da_in = clamped_swiglu_grad(da_in, *act_args) if act else da_in
         elif one_pass:
             lora = dict(
                 down=lora_b, down_is_kn=True, up=lora_a, up_is_kn=True, lora_scale=scale, keep_scaled=True
             )
-            da_in, g = _lora_gemm(grad, w, ends, not transposed, **rows, **lora, act=act_args)
+            da_in, g = _lora_gemm(grad, w, ends, not transposed, **rows, **lora)
         else:
-            da_in = _gemm(grad, w, ends, not transposed, **rows, act=act_args)
+            da_in = _gemm(grad, w, ends, not transposed, **rows)
     dweights = grad.new_empty(0)
     if need_weights:  # y's rows in the order the forward wrote them
         ordered = _ix.ordered_grouped_mm(a, shape, rank)
@@ -390,11 +362,11 @@ def _combine_backward_op(
 @_combine_backward_op.register_fake
 def _combine_backward_fake(
     grad, a, y, xa, weights, perm, top_k, weight, absmax, code, blocksize, shape, lora_a, lora_b, scale, ends,
-    transposed, need_in, need_weights, need_w, need_a, need_b, h, act, alpha, limit,
+    transposed, need_in, need_weights, need_w, need_a, need_b,
 ):  # fmt: skip
     rank = lora_a.shape[1]
     return (
-        (h if act else a).new_empty((h if act else a).shape) if need_in else grad.new_empty(0),
+        a.new_empty(a.shape) if need_in else grad.new_empty(0),
         weights.new_empty(weights.shape) if need_weights else grad.new_empty(0),
         weight.new_empty(weight.shape) if need_w else grad.new_empty(0),
         lora_a.new_empty(lora_a.shape) if need_a and rank else grad.new_empty(0),
@@ -420,26 +392,20 @@ def _combine_setup(ctx, inputs, output):
         ends,
         ids,
         t,
-        act,
-        alpha,
-        limit,
     ) = inputs
-    ctx.mark_non_differentiable(output[1], output[2], output[3])
+    ctx.mark_non_differentiable(output[1], output[2])
     keep_a = weight.requires_grad or lora_a.requires_grad
     keep_y = weights is not None and weights.requires_grad
-    h = a if act else None
-    a = output[3] if act else a  # the activation (made by the op from h, or its input)
     ctx.save_for_backward(
         a if keep_a else None, output[1] if keep_y else None, output[2], weights, perm, weight, absmax, code,
-        lora_a, lora_b, ends, ids, h,
+        lora_a, lora_b, ends, ids,
     )  # fmt: skip
     ctx.top_k, ctx.blocksize, ctx.shape, ctx.scale, ctx.transposed = top_k, blocksize, list(shape), scale, t
-    ctx.act, ctx.alpha, ctx.limit = act, alpha, limit
     ctx.a_shape, ctx.bias_shape = tuple(a.shape), None if bias is None else tuple(bias.shape)
 
 
-def _combine_backward(ctx, grad, _grad_y, _grad_xa, _grad_a):
-    a, y, xa, weights, perm, weight, absmax, code, lora_a, lora_b, ends, ids, h = ctx.saved_tensors
+def _combine_backward(ctx, grad, _grad_y, _grad_xa):
+    a, y, xa, weights, perm, weight, absmax, code, lora_a, lora_b, ends, ids = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_in, need_weights, need_w, need_bias, need_a, need_b = (
         need[0],
@@ -458,8 +424,7 @@ def _combine_backward(ctx, grad, _grad_y, _grad_xa, _grad_a):
             _combine_backward_op,
             grad, a if a is not None else grad.new_empty((0, ctx.a_shape[1])), y if y is not None else grad.new_empty(0), xa, weights, perm, ctx.top_k,
             weight, absmax, code, ctx.blocksize, ctx.shape, lora_a, lora_b, ctx.scale, ends, ctx.transposed,
-            need_in, need_weights, need_w, need_a, need_b, h if h is not None else grad.new_empty(0), ctx.act,
-            ctx.alpha, ctx.limit,
+            need_in, need_weights, need_w, need_a, need_b,
         )  # fmt: skip
     dbias = None
     if need_bias:
@@ -468,24 +433,22 @@ def _combine_backward(ctx, grad, _grad_y, _grad_xa, _grad_a):
     return (
         d_in if need_in else None, dweights if need_weights else None, None, None, dw if need_w else None,
         None, None, None, None, dbias, da if need_a else None, db if need_b else None, None, None, None, None,
-        None, None, None,
     )  # fmt: skip
 
 
 register_autograd(_combine_op, _combine_backward, _combine_setup)
 register_flops(
     _combine_op,
-    lambda a, wt, perm, k, w, am, c, bs, shape, bias, la, lb, s, ends, ids, t, act, al, lim, out_shape=None: (
-        _flops(perm[0], shape, la[1]) + 2 * perm[0] * (shape[2] if t else shape[1]) + 4 * act * math.prod(a)
+    lambda a, wt, perm, k, w, am, c, bs, shape, bias, la, lb, s, ends, ids, t, out_shape=None: (
+        _flops(perm[0], shape, la[1]) + 2 * perm[0] * (shape[2] if t else shape[1])
     ),
 )
 register_flops(
     _combine_backward_op,
-    lambda grad, a, y, xa, wt, perm, k, w, am, c, bs, shape, la, lb, s, ends, t, ni, nwt, nw, na, nb, h, act, al, lim, out_shape=None: (
+    lambda grad, a, y, xa, wt, perm, k, w, am, c, bs, shape, la, lb, s, ends, t, ni, nwt, nw, na, nb, out_shape=None: (
         (int(ni) + int(nw)) * _flops(perm[0], shape, 0)
         + 2 * (_flops(perm[0], shape, la[1]) - _flops(perm[0], shape, 0))
         + int(nwt) * 2 * math.prod(y)
-        + 8 * act * int(ni) * math.prod(h)
     ),
 )
 
@@ -590,20 +553,15 @@ def lora_grouped_mm_combine(
     transposed: bool = False,
     bias: Tensor | None = None,
     expert_ids: Tensor | None = None,
-    activation: tuple[float, float] | None = None,
 ) -> Tensor:
     """The second expert GEMM (+ LoRA) written through the permutation and summed per token.
 
     Args:
-        a: ``[S, in]`` activations in expert order; with ``activation``, h ``[S, 2 in]``, the input of
-            GPT-OSS's clamped SwiGLU (interleaved gate/up), which the op applies itself.
+        a: ``[S, in]`` activations in expert order.
         weights: ``[T, k]`` routing weights (contiguous; their gradient reaches the router), or None when
             they were applied already (the weighted SwiGLU): a plain sum.
         perm, top_k, weight, lora_a, lora_b, scale, ends, storage, transposed, bias, expert_ids: as
             :func:`gather_lora_grouped_mm`.
-        activation: ``(alpha, limit)`` of the clamped SwiGLU the op applies to ``a`` first: its backward
-            is then made in the epilogue of the input gradient's GEMM (on the kernel path), not in a
-            separate pass over ``[S, in]`` gradients.
 
     Returns:
         ``[T, out]`` in a's dtype: ``sum_j w[t, j] y[inv[t k + j]]`` with ``y = a W_e + b_e + LoRA``, fp32 sum.
@@ -611,14 +569,9 @@ def lora_grouped_mm_combine(
     weight, absmax, code, blocksize, shape, lora_a, lora_b = _parts(
         weight, storage, a, lora_a, lora_b, transposed
     )
-    if activation is not None and (a.dim() != 2 or a.shape[1] % 2):
-        raise ValueError(
-            f"lora_grouped_mm_combine: with an activation, a is the interleaved [S, 2I] gate/up, got {tuple(a.shape)}"
-        )
-    if activation is not None and a.stride(1) != 1:
-        a = a.contiguous()
-    n_in = a.shape[1] // 2 if activation is not None else a.shape[1]
-    _check("lora_grouped_mm_combine", a, shape, transposed, lora_a, lora_b, ends, bias, expert_ids, n_in)
+    _check(
+        "lora_grouped_mm_combine", a, shape, transposed, lora_a, lora_b, ends, bias, expert_ids, a.shape[1]
+    )
     if a.shape[0] != perm.shape[0] or perm.shape[0] % top_k:
         raise ValueError(
             f"lora_grouped_mm_combine: a has {a.shape[0]} rows, perm {perm.shape[0]}, top_k {top_k}"
@@ -628,10 +581,8 @@ def lora_grouped_mm_combine(
             f"lora_grouped_mm_combine: weights {tuple(weights.shape)} do not give one per routed row"
         )
     ids = expert_ids if expert_ids is not None else ends.new_zeros(0, dtype=torch.int64)
-    alpha, limit = activation if activation is not None else (0.0, 0.0)
-    out, _, _, _ = call(
+    out, _, _ = call(
         _combine_op, a, None if weights is None else weights.contiguous(), perm, int(top_k), weight, absmax, code,
-        blocksize, shape, bias, lora_a, lora_b, float(scale), ends, ids, transposed, int(activation is not None),
-        float(alpha), float(limit),
+        blocksize, shape, bias, lora_a, lora_b, float(scale), ends, ids, transposed,
     )  # fmt: skip
     return out

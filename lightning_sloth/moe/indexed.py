@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_sloth.moe.gemm import _mm, _mm_into, _weight_grad, grouped_mm_reference
-from lightning_sloth.moe.ops import _combine_weight_grad, _gather_sum, _rows, clamped_swiglu_grad
+from lightning_sloth.moe.ops import _combine_weight_grad, _gather_sum, _rows
 from lightning_sloth.moe.quant import _weight as _dequantized
 from lightning_sloth.moe.routing import inverse_permutation
 from lightning_sloth.ops.registry import TRITON_OPS, use_triton
@@ -79,31 +79,19 @@ def indexed_grouped_mm(
     x2: Tensor | None = None,
     w2: Tensor | None = None,
     w2_is_kn: bool = False,
-    act: tuple[Tensor, float, float] | None = None,
 ) -> Tensor:
     """``out[out_idx[s]] (+)= scale[a_idx[s]] * x[a_idx[s] // div] @ W_e + x2[s] @ W2_e (+ b_e)``.
 
     Each part optional; ``W2_e = w2[e]`` (``w2_is_kn``, ``[E, r, N]``) or ``w2[e].T`` (``[E, N, r]``).
     One fp32 sum, one rounding (the kernel's epilogue adds the rank-r term, so the output is written
     once). The rows are a whole grouping (``ends[-1] == S``): every output row is written, so a new
-    output is not zeroed first. With ``act = (h, alpha, limit)`` the product is the gradient of GPT-OSS's
-    clamped SwiGLU of h ``[S, 2N]`` and h's gradient is returned instead (the kernel makes it in its
-    epilogue; not with ``out``/``out_idx``).
+    output is not zeroed first.
     """
     if use_kernels(x):
-        h, alpha, limit = act if act is not None else (None, 0.0, 0.0)
         return _kernels.grouped_mm(
             x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out=out, out_idx=out_idx,
-            x2=x2, w2=w2, w2_is_kn=w2_is_kn, covered=True, act_h=h, act_alpha=alpha, act_limit=limit,
+            x2=x2, w2=w2, w2_is_kn=w2_is_kn, covered=True,
         )  # fmt: skip
-    if act is not None:
-        if out is not None or out_idx is not None:
-            raise ValueError("indexed_grouped_mm: the activation's gradient is a new output in row order")
-        dy = indexed_grouped_mm(
-            x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, expert_ids=expert_ids, x2=x2,
-            w2=w2, w2_is_kn=w2_is_kn,
-        )  # fmt: skip
-        return clamped_swiglu_grad(dy, *act)
     rows = x if a_idx is None else x.index_select(0, a_idx // div)
     prod = grouped_mm_reference(rows, w, ends, transposed=w_is_kn)
     compute = torch.promote_types(x.dtype, torch.float32)
@@ -160,9 +148,8 @@ def indexed_lora_grouped_mm(
     bias: Tensor | None = None,
     expert_ids: Tensor | None = None,
     out_idx: Tensor | None = None,
-    act: tuple[Tensor, float, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out, side)``: :func:`indexed_grouped_mm` (``act`` as there) with the LoRA term ``x2 @ up_e`` whose rank-r input
+    """``(out, side)``: :func:`indexed_grouped_mm` with the LoRA term ``x2 @ up_e`` whose rank-r input
     is made from the same rows, ``side = scale(s) * x[aidx(s)] @ down_e`` (in x's dtype) and
     ``x2 = side * lora_scale``; ``side`` is returned scaled (``keep_scaled``) or not.
 
@@ -177,13 +164,11 @@ def indexed_lora_grouped_mm(
     n_rows = a_idx.shape[0] if a_idx is not None else x.shape[0]
     if down_in_kernel(x, rank, w.shape[2] if w_is_kn else w.shape[1]):
         side = x.new_empty((n_rows, rank))
-        h, alpha, limit = act if act is not None else (None, 0.0, 0.0)
         try:
             out = _kernels.grouped_mm(
                 x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, out_idx=out_idx,
                 w2=up, w2_is_kn=up_is_kn, covered=True, down=down, down_is_kn=down_is_kn,
-                lora_scale=lora_scale, r_out=side, keep_scaled=keep_scaled, act_h=h, act_alpha=alpha,
-                act_limit=limit,
+                lora_scale=lora_scale, r_out=side, keep_scaled=keep_scaled,
             )  # fmt: skip
             return out, side
         except _kernels.OutOfResources as error:  # a device smaller than the tiles assume
@@ -198,7 +183,7 @@ def indexed_lora_grouped_mm(
     x2 = side * lora_scale
     out = indexed_grouped_mm(
         x, w, ends, w_is_kn, a_idx=a_idx, div=div, scale=scale, bias=bias, expert_ids=expert_ids,
-        out_idx=out_idx, x2=x2, w2=up, w2_is_kn=up_is_kn, act=act,
+        out_idx=out_idx, x2=x2, w2=up, w2_is_kn=up_is_kn,
     )  # fmt: skip
     return out, (x2 if keep_scaled else side)
 

@@ -42,9 +42,7 @@ if TRITON_OPS:
 
 __all__ = [
     "clamped_swiglu",
-    "clamped_swiglu_grad",
     "clamped_swiglu_reference",
-    "clamped_swiglu_values",
     "moe_combine",
     "moe_gather",
     "moe_sum",
@@ -70,22 +68,6 @@ def _clamped_swiglu_backward_reference(dout: Tensor, h: Tensor, alpha: float, li
     d_gate = torch.where(gate_in <= limit, dy * (up + 1) * (s + glu * alpha * (1 - s)), 0.0)
     d_up = torch.where((up_in >= -limit) & (up_in <= limit), dy * glu, 0.0)
     return torch.stack((d_gate, d_up), dim=-1).flatten(-2).to(h.dtype)
-
-
-def clamped_swiglu_values(h: Tensor, alpha: float, limit: float) -> Tensor:
-    """:func:`clamped_swiglu`'s value without autograd (the Triton kernel on CUDA): for ops that own it."""
-    return (
-        _kernels.clamped_swiglu_forward(h, alpha, limit)
-        if use_triton(h)
-        else clamped_swiglu_reference(h, alpha, limit)
-    )
-
-
-def clamped_swiglu_grad(dout: Tensor, h: Tensor, alpha: float, limit: float) -> Tensor:
-    """The gradient of :func:`clamped_swiglu` at h for its output's gradient ``dout``, ``[S, 2I]`` like h."""
-    if use_triton(h):
-        return _kernels.clamped_swiglu_backward(dout, h, alpha, limit)
-    return _clamped_swiglu_backward_reference(dout, h, alpha, limit)
 
 
 # ----------------------------------------------------------------------------- gather / combine
@@ -271,7 +253,9 @@ def moe_combine(y: Tensor, weights: Tensor, perm: Tensor, inv: Tensor) -> Tensor
 @sloth_op("moe_clamped_swiglu")
 def _clamped_swiglu_op(h: Tensor, alpha: float, limit: float) -> Tensor:
     """GPT-OSS: interleaved ``[S, 2I]`` -> ``(clamp(up, +-limit) + 1) * g sigmoid(alpha g)``, g = min(gate, limit)."""
-    return clamped_swiglu_values(h, alpha, limit)
+    if use_triton(h):
+        return _kernels.clamped_swiglu_forward(h, alpha, limit)
+    return clamped_swiglu_reference(h, alpha, limit)
 
 
 @_clamped_swiglu_op.register_fake
@@ -282,7 +266,9 @@ def _clamped_swiglu_fake(h, alpha, limit):
 @sloth_op("moe_clamped_swiglu_backward")
 def _clamped_swiglu_backward_op(grad: Tensor, h: Tensor, alpha: float, limit: float) -> Tensor:
     """``dh [S, 2I]`` (interleaved, like h)."""
-    return clamped_swiglu_grad(grad, h, alpha, limit)
+    if use_triton(h):
+        return _kernels.clamped_swiglu_backward(grad, h, alpha, limit)
+    return _clamped_swiglu_backward_reference(grad, h, alpha, limit)
 
 
 @_clamped_swiglu_backward_op.register_fake
