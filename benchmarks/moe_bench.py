@@ -59,6 +59,11 @@ tiles (``lightning_sloth.kernels.moe_fused.WEIGHT_LOADS``): masked pointer loads
 descriptor in a warp-specialised K loop, or descriptors for the weights and for the rows of the GEMMs
 whose rows are already in expert order.
 
+``--lora-grad-pair "1;0"`` is a sixth: whether the first fused op's backward makes the LoRA up
+factor's two rank-r products from its output's gradient in one pass
+(``lightning_sloth.moe.indexed.LORA_GRAD_PAIR``) or in two GEMMs; it runs where the rank-r side is
+made outside the GEMM (outputs wider than ``DOWN_IN_KERNEL_MAX_OUT``, as GPT-OSS-20B's).
+
 The router: every system runs transformers' own (bf16 logits), so the systems differ in their experts
 only. ``--router sloth`` gives lightning_sloth's systems the router ``apply_experts`` installs on a
 model instead (``lightning_sloth.patching.install_router``: float32 logits; the GEMM, the top k and
@@ -430,6 +435,7 @@ def _tiles(text: str | None) -> list[tuple[int, ...] | None]:
 _DEFAULT_DOWN_RANK_MAX = None
 _DEFAULT_GROUPED_MM = None
 _DEFAULT_WEIGHT_LOADS = None
+_DEFAULT_PAIR = None
 
 
 def _set_tiles(
@@ -438,8 +444,9 @@ def _set_tiles(
     down: int | None = None,
     grouped: str | None = None,
     loads: str | None = None,
+    pair: bool | None = None,
 ) -> None:
-    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS
+    global _DEFAULT_DOWN_RANK_MAX, _DEFAULT_GROUPED_MM, _DEFAULT_WEIGHT_LOADS, _DEFAULT_PAIR
     from lightning_sloth.kernels import moe_fused
 
     from lightning_sloth.moe import indexed
@@ -451,6 +458,8 @@ def _set_tiles(
         _DEFAULT_DOWN_RANK_MAX = indexed.DOWN_IN_KERNEL_MAX_RANK
         _DEFAULT_GROUPED_MM = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
         _DEFAULT_WEIGHT_LOADS = moe_fused.WEIGHT_LOADS
+        _DEFAULT_PAIR = indexed.LORA_GRAD_PAIR
+    indexed.LORA_GRAD_PAIR = _DEFAULT_PAIR if pair is None else pair
     moe_fused.WEIGHT_LOADS = _DEFAULT_WEIGHT_LOADS if loads is None else loads
     indexed.DOWN_IN_KERNEL_MAX_RANK = _DEFAULT_DOWN_RANK_MAX if down is None else down
     flags = _DEFAULT_GROUPED_MM if grouped is None else indexed.grouped_mm_choice(grouped)
@@ -485,16 +494,32 @@ def _loads(text: str | None) -> list[str | None]:
     return _knob(text, checked)
 
 
+def _switches(text: str | None) -> list[bool | None]:
+    """``"1;0"`` -> ``[True, False]``; anything but 1/0/true/false is an error naming it."""
+
+    def checked(value: str) -> bool:
+        if value.lower() not in ("1", "0", "true", "false"):
+            raise ValueError(f"--lora-grad-pair takes 1 or 0; got {value!r}")
+        return value.lower() in ("1", "true")
+
+    return _knob(text, checked)
+
+
 def _variants(
     fused_tiles: str | None,
     wgrad_tiles: str | None,
     down_ranks: str | None = None,
     grouped: str | None = None,
     loads: str | None = None,
+    pair: str | None = None,
 ) -> list[tuple]:
     """The first configuration of each knob, then every other one with the other knobs at their first:
-    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads)``."""
-    knobs = [_tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads)]
+    ``(tiles, wgrad tiles, down rank max, which GEMMs run torch._grouped_mm, weight loads, the LoRA
+    gradient pair in one pass)``."""
+    knobs = [
+        _tiles(fused_tiles), _tiles(wgrad_tiles), _ranks(down_ranks), _grouped(grouped), _loads(loads),
+        _switches(pair),
+    ]  # fmt: skip
     first = tuple(k[0] for k in knobs)
     out = [first]
     for i, values in enumerate(knobs):
@@ -568,8 +593,15 @@ def run_case(
     results |= _speedups("fused", fused, {"grouped_mm": grouped, "sloth": ours})
     if variants and len(variants) > 1:
         sweep = [
-            {"tiles": t, "wgrad_tiles": w, "down_rank_max": d, "grouped_mm": o, "weight_loads": ld}
-            for t, w, d, o, ld in variants
+            {
+                "tiles": t,
+                "wgrad_tiles": w,
+                "down_rank_max": d,
+                "grouped_mm": o,
+                "weight_loads": ld,
+                "lora_grad_pair": p,
+            }  # fmt: skip
+            for t, w, d, o, ld, p in variants
         ]
         times: list[list[float]] = [[] for _ in variants]
         graphed_times: list[list[float]] = [[] for _ in variants]
@@ -706,6 +738,8 @@ def summary(report: dict) -> str:
                 label += f", torch._grouped_mm for {entry['grouped_mm']}"
             if entry.get("weight_loads") is not None:
                 label += f", weights through {entry['weight_loads']}"
+            if entry.get("lora_grad_pair") is not None:
+                label += f", LoRA gradient pair {'in one pass' if entry['lora_grad_pair'] else 'in two'}"
             value = f"{entry['median_ms']:.2f} ms" if "median_ms" in entry else entry.get("error", "-")[:60]
             replayed = entry.get("graphed", {})
             if "median_ms" in replayed:
@@ -756,6 +790,12 @@ def main(argv: list[str] | None = None) -> dict:
         "warp-specialised), tma_rows (tma, and rows in expert order through a descriptor); several: ';'",
     )
     parser.add_argument(
+        "--lora-grad-pair",
+        default=None,
+        help="1: the first fused op's backward makes g and dB of the LoRA up factor in one pass over its "
+        "gradient; 0: two GEMMs; several: ';'",
+    )
+    parser.add_argument(
         "--group-m",
         type=int,
         default=None,
@@ -794,8 +834,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.out = args.out or _default_out(args.fused)
     try:
         variants = _variants(
-            args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm, args.weight_loads
-        )
+            args.fused_tiles, args.wgrad_tiles, args.down_rank_max, args.grouped_mm, args.weight_loads,
+            args.lora_grad_pair,
+        )  # fmt: skip
     except ValueError as error:
         parser.error(str(error))
     _set_tiles(*variants[0])

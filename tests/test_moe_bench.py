@@ -23,20 +23,29 @@ def test_tile_configurations_parse_and_default():
 def test_the_sweep_moves_one_knob_at_a_time():
     variants = bench._variants("128,128,64,8,3;64,128,64,4,4", "default;128,64,128,4,3")
     assert variants == [
-        ((128, 128, 64, 8, 3), None, None, None, None),
-        ((64, 128, 64, 4, 4), None, None, None, None),
-        ((128, 128, 64, 8, 3), (128, 64, 128, 4, 3), None, None, None),
+        ((128, 128, 64, 8, 3), None, None, None, None, None),
+        ((64, 128, 64, 4, 4), None, None, None, None, None),
+        ((128, 128, 64, 8, 3), (128, 64, 128, 4, 3), None, None, None, None),
     ]
-    assert bench._variants(None, None) == [(None, None, None, None, None)]
-    assert bench._variants(None, None, "32;0") == [(None, None, 32, None, None), (None, None, 0, None, None)]
+    assert bench._variants(None, None) == [(None, None, None, None, None, None)]
+    assert bench._variants(None, None, "32;0") == [
+        (None, None, 32, None, None, None),
+        (None, None, 0, None, None, None),
+    ]
     assert bench._variants(None, None, None, "none;both") == [
-        (None, None, None, "none", None),
-        (None, None, None, "both", None),
+        (None, None, None, "none", None, None),
+        (None, None, None, "both", None, None),
     ]
     assert bench._variants(None, None, None, None, "pointer;tma_ws") == [
-        (None, None, None, None, "pointer"),
-        (None, None, None, None, "tma_ws"),
+        (None, None, None, None, "pointer", None),
+        (None, None, None, None, "tma_ws", None),
     ]
+    assert bench._variants(None, None, None, None, None, "1;0") == [
+        (None, None, None, None, None, True),
+        (None, None, None, None, None, False),
+    ]
+    with pytest.raises(ValueError, match="--lora-grad-pair takes 1 or 0; got 'yes'"):
+        bench._variants(None, None, None, None, None, "yes")
     with pytest.raises(
         ValueError, match="--weight-loads takes auto, pointer, tma, tma_ws, tma_rows; got 'tmaws'"
     ):
@@ -70,13 +79,14 @@ def test_the_down_rank_knob_reaches_the_ops_and_comes_back():
     default = indexed.DOWN_IN_KERNEL_MAX_RANK
     flags = (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     try:
-        bench._set_tiles(None, None, 0, "gathered", "tma")
-        assert moe_fused.WEIGHT_LOADS == "tma"
+        bench._set_tiles(None, None, 0, "gathered", "tma", False)
+        assert moe_fused.WEIGHT_LOADS == "tma" and not indexed.LORA_GRAD_PAIR
         assert indexed.DOWN_IN_KERNEL_MAX_RANK == 0
         assert (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM) == (False, True)
     finally:
         bench._set_tiles(None, None)
     assert default == indexed.DOWN_IN_KERNEL_MAX_RANK and moe_fused.WEIGHT_LOADS == "auto"
+    assert indexed.LORA_GRAD_PAIR
     assert flags == (indexed.ORDERED_ROWS_GROUPED_MM, indexed.GATHERED_ROWS_GROUPED_MM)
     assert bench._ranks("default;0") == [None, 0]
 

@@ -417,6 +417,45 @@ def test_kernels_interpreted_ops_match_float64_and_are_deterministic(top_k, tran
 
 
 @interpreted_only
+@pytest.mark.parametrize("rank", [3, 16])
+def test_kernels_interpreted_lora_grad_pair_equals_the_two_products(rank):
+    """g = grad B_e and dB = grad^T side from one pass over grad: float32 against float64, zero for
+    idle experts, the same bits on a rerun."""
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    grouping, _ = _routing(11, 7, 3, 2, used=[1, 2, 4, 6])
+    gen = torch.Generator().manual_seed(8)
+    grad = torch.randn(33, 70, generator=gen)  # 70 columns: three 32-wide blocks, the last partial
+    up = torch.randn(7, 70, rank, generator=gen)
+    side = torch.randn(33, rank, generator=gen)
+    g, d_up = kernels.lora_grad_pair(grad, up, side, grouping.ends)
+    slices = list(_slices(grouping.ends))
+    experts = [e for e, sl in enumerate(slices) for _ in range(sl.stop - sl.start)]
+    want_g = torch.stack([grad.double()[s] @ up.double()[e] for s, e in enumerate(experts)])
+    want_up = torch.stack([grad.double()[sl].t() @ side.double()[sl] for sl in slices])
+    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_up.double(), want_up, rtol=1e-5, atol=1e-5)
+    assert not d_up[[0, 3, 5]].any()  # idle experts
+    again = kernels.lora_grad_pair(grad, up, side, grouping.ends)
+    assert torch.equal(again[0], g) and torch.equal(again[1], d_up)
+    with pytest.raises(ValueError, match="lora_grad_pair"):
+        kernels.lora_grad_pair(grad, up, side[:, :2], grouping.ends)
+
+
+@interpreted_only
+@pytest.mark.parametrize("pair", [True, False])
+def test_kernels_interpreted_ops_with_the_rank_r_side_outside_the_gemm(pair, monkeypatch):
+    """With the rank-r side in separate passes (wide outputs, as GPT-OSS's), the first op's backward
+    makes g and dB in one pass (``LORA_GRAD_PAIR``) or two: both equal the float64 separate passes."""
+    from lightning_sloth.moe import indexed
+
+    monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_RANK", 0)
+    monkeypatch.setattr(indexed, "LORA_GRAD_PAIR", pair)
+    for top_k, transposed, bias in ((2, False, True), (4, True, False)):
+        _compare(_case(transposed, top_k, 3, bias, n_in=19, n_out=70), torch.float32, 2e-5, 2e-5)
+
+
+@interpreted_only
 def test_kernels_interpreted_a_layer_call_builds_its_tile_table_once_per_tiling(monkeypatch):
     from lightning_sloth.kernels import moe as moe_kernels
 

@@ -132,9 +132,13 @@ def _gather_backward_op(
     rank = lora_a.shape[1]
     ordered = need_x and _ix.ordered_grouped_mm(grad, shape, rank)  # grad's rows are in expert order
     one_pass = need_x and not ordered and _down_in_kernel(grad, rank, x.shape[1])  # g made inside the GEMM
-    g = None
+    g = db = None
     if rank and (need_x or need_a) and not one_pass:
-        g = _mm(grad, lora_b, ends, w_is_kn=True) * scale  # [S, r]
+        if need_b:  # g and dB from one read of grad where the kernel runs
+            g, db = _ix.lora_grad_pair(grad, lora_b, xa * scale, ends)
+            g = g * scale
+        else:
+            g = _mm(grad, lora_b, ends, w_is_kn=True) * scale  # [S, r]
     dx = grad.new_empty(0)
     if need_x:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
@@ -156,7 +160,8 @@ def _gather_backward_op(
         else:  # [E, N, K] = grad^T x_rows
             dw = _wgrad(grad, x, ends, b_idx=perm, b_div=top_k)
     da = _wgrad(g, x, ends, b_idx=perm, b_div=top_k) if need_a and rank else grad.new_empty(0)
-    db = _weight_grad(grad, xa * scale, ends) if need_b and rank else grad.new_empty(0)
+    if db is None:
+        db = _weight_grad(grad, xa * scale, ends) if need_b and rank else grad.new_empty(0)
     return dx, dw, da, db
 
 

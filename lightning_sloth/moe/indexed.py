@@ -28,6 +28,7 @@ if TRITON_OPS or _INTERPRETED:
 __all__ = [
     "GATHERED_ROWS_GROUPED_MM",
     "GROUPED_MM_CHOICES",
+    "LORA_GRAD_PAIR",
     "ORDERED_ROWS_GROUPED_MM",
     "bias_grad",
     "down_in_kernel",
@@ -38,6 +39,7 @@ __all__ = [
     "indexed_grouped_mm",
     "indexed_lora_grouped_mm",
     "indexed_weight_grad",
+    "lora_grad_pair",
     "lora_input_grad",
     "ordered_grouped_mm",
     "ordered_input_grad_sum",
@@ -207,6 +209,21 @@ def indexed_weight_grad(
         return (t.to(compute) * scale.to(compute).index_select(0, idx)[:, None]).to(t.dtype)
 
     return _weight_grad(rows(a, a_idx, a_div, a_scale), rows(b, b_idx, b_div, b_scale), ends)
+
+
+LORA_GRAD_PAIR = True
+"""Whether the first fused op's backward makes the LoRA up factor's two rank-r products from its
+output's gradient (``g = grad B_e``, ``dB = grad^T xa``) in one pass over that ``[S, N]`` gradient
+(:func:`lora_grad_pair`) instead of two GEMMs that each read all of it."""
+
+
+def lora_grad_pair(grad: Tensor, up: Tensor, side: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
+    """``(grad @ up_e [S, r], grad^T side per expert [E, N, r])`` for rows in expert order (every row
+    routed), ``up`` ``[E, N, r]``: one read of ``grad`` on the kernel path (:data:`LORA_GRAD_PAIR`,
+    ranks up to 64), else ``torch._grouped_mm`` / the per-expert reference, twice."""
+    if LORA_GRAD_PAIR and use_kernels(grad) and 0 < up.shape[2] <= _kernels.LORA_GRAD_PAIR_MAX_RANK:
+        return _kernels.lora_grad_pair(grad, up, side, ends)
+    return _mm(grad, up, ends, w_is_kn=True), _weight_grad(grad, side, ends)
 
 
 def slot_sum(src: Tensor, top_k: int, weights: Tensor | None) -> Tensor:

@@ -145,6 +145,45 @@ def test_opcheck_triton_op_path():
     )
 
 
+@pytest.mark.parametrize("rank", [8, 16])
+def test_lora_grad_pair_matches_float64_and_repeats(rank):
+    """g = grad B_e and dB = grad^T side from one pass over a GPT-OSS-wide gradient (2,880 columns:
+    a partial last column block), bf16 against float64, zero for idle experts, the same bits twice."""
+    from lightning_sloth.kernels import moe_fused as kernels
+
+    case = _inputs(torch.bfloat16, False, 4, tokens=700, experts=16, n_in=64, n_out=2880, rank=rank)
+    g = case["grouping"]
+    rows = g.perm.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    grad = torch.randn(rows, 2880, device="cuda", generator=gen).to(torch.bfloat16)
+    side = torch.randn(rows, rank, device="cuda", generator=gen).to(torch.bfloat16)
+    up = case["lora_b"]
+    got_g, got_up = kernels.lora_grad_pair(grad, up, side, g.ends)
+    ends = [0, *g.ends.tolist()]
+    want_g = torch.cat([grad[a:b].double() @ up[e].double() for e, (a, b) in enumerate(zip(ends, ends[1:]))])
+    want_up = torch.stack([grad[a:b].double().t() @ side[a:b].double() for a, b in zip(ends, ends[1:])])
+    assert _rel(got_g, want_g) < 1e-2 and _rel(got_up, want_up) < 1e-2
+    assert not got_up[[0, 5, 10, 15]].any()  # idle experts
+    again = kernels.lora_grad_pair(grad, up, side, g.ends)
+    assert torch.equal(again[0], got_g) and torch.equal(again[1], got_up)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_ops_with_the_rank_r_side_outside_the_gemm_match_float64(transposed, ordered, monkeypatch):
+    """Outputs wider than DOWN_IN_KERNEL_MAX_OUT (GPT-OSS's) make the rank-r side in separate passes;
+    the first op's backward then takes g and dB from one pass over its gradient (LORA_GRAD_PAIR)."""
+    from lightning_sloth.moe import indexed
+
+    monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_RANK", 0)
+    case = _inputs(torch.bfloat16, transposed, 2)
+    reference = _run(case, torch.float64, fused=False)
+    ours = _run(case, torch.bfloat16, fused=True)
+    for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
+        assert _rel(got, want) < 2e-2, i
+    again = _run(case, torch.bfloat16, fused=True)
+    assert all(torch.equal(a, b) for a, b in zip(again, ours, strict=True))
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_both_ops_compile_in_one_graph_and_give_the_eager_values(transposed, ordered):
     """``torch.compile(fullgraph=True)`` (inductor) traces both ops' Triton decompositions with every
