@@ -601,7 +601,9 @@ def lora_grad_pair(
     atomics) and rounded once. Both in grad's dtype. Every row is routed (``ends[-1] == S``), as in
     the fused ops. With ``idx``, row s of grad is ``grad[idx[s] // div]``, times ``scale[idx[s]]``
     when given: on g's float32 product, as :func:`grouped_mm` scales, and on the rows rounded to
-    grad's dtype for dUP, as :func:`grouped_mm_weight_grad` scales its operand.
+    grad's dtype for dUP, as :func:`grouped_mm_weight_grad` scales its operand (measured for the
+    second fused op's backward, which keeps its two passes: they read its token-order gradient
+    largely from L2 and took the same time, ``benchmarks/results/lora_grad_pair_both_h200.json``).
     """
     if scale is not None and idx is None:
         raise ValueError("lora_grad_pair: a per-row scale is read through idx")

@@ -331,26 +331,14 @@ def _combine_backward_op(
     gathered = (need_in or need_a) and _ix.gathered_grouped_mm(grad, shape, rank)
     grows = _ix.gathered_rows(grad, perm, top_k, flat) if gathered else None  # the gathered, scaled copy
     one_pass = need_in and rank > 0 and not gathered  # g made inside the input gradient's GEMM
-    # Where the GEMM would make g in a separate pass over grad's rows anyway (wide inputs), g and dB
-    # come from one pass over them instead.
-    pair = (
-        need_b and (need_in or need_a) and rank > 0 and not gathered
-        and not _down_in_kernel(grad, rank, shape[1] if transposed else shape[2])
-        and _ix.lora_grad_pair_fits(grad, rank)
-    )  # fmt: skip
-    g = dB = None  # noqa: N806
-    if pair:
-        g, dB = _ix.lora_grad_pair(grad, lora_b, xa * scale, ends, idx=perm, div=top_k, scale=flat)  # noqa: N806
-        g = g * scale
-    elif rank and (need_in or need_a) and not one_pass:
+    g = None
+    if rank and (need_in or need_a) and not one_pass:
         g = (_mm(grows, lora_b, ends, True) if gathered else _gemm(grad, lora_b, ends, True, **rows)) * scale
     da_in = grad.new_empty(0)
     if need_in:
         w = _weight(weight, absmax, code, blocksize, shape, grad.dtype)
         if gathered:
             da_in = _ix.lora_input_grad(grows, w, ends, not transposed, g, lora_a)
-        elif pair:
-            da_in = _gemm(grad, w, ends, not transposed, **rows, x2=g, w2=lora_a, w2_is_kn=True)
         elif one_pass:
             lora = dict(
                 down=lora_b, down_is_kn=True, up=lora_a, up_is_kn=True, lora_scale=scale, keep_scaled=True
@@ -372,8 +360,7 @@ def _combine_backward_op(
         else:  # [E, N, K] = grad_rows^T a
             dw = _wgrad(grad, a, ends, **idx)
     dA = _weight_grad(g, a, ends) if need_a and rank else grad.new_empty(0)  # noqa: N806
-    if dB is None:
-        dB = _wgrad(grad, xa * scale, ends, **idx) if need_b and rank else grad.new_empty(0)  # noqa: N806
+    dB = _wgrad(grad, xa * scale, ends, **idx) if need_b and rank else grad.new_empty(0)  # noqa: N806
     return da_in, dweights, dw, dA, dB
 
 
