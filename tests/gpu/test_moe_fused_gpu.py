@@ -191,11 +191,19 @@ def test_ops_with_the_rank_r_side_outside_the_gemm_match_float64(transposed, ord
     assert all(torch.equal(a, b) for a, b in zip(again, ours, strict=True))
 
 
+@pytest.mark.parametrize("side_outside", [False, True])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_both_ops_compile_in_one_graph_and_give_the_eager_values(transposed, ordered):
+def test_both_ops_compile_in_one_graph_and_give_the_eager_values(
+    transposed, side_outside, ordered, monkeypatch
+):
     """``torch.compile(fullgraph=True)`` (inductor) traces both ops' Triton decompositions with every
-    GEMM way, TMA descriptors included (their alignment check on traced tensors), and the compiled
-    forward and backward give the eager op's values and gradients."""
+    GEMM way, TMA descriptors included (their alignment check on traced tensors), with the rank-r side
+    inside the GEMMs and outside them (wide outputs: the LoRA gradient pair's kernel), and the
+    compiled forward and backward give the eager op's values and gradients."""
+    from lightning_sloth.moe import indexed
+
+    if side_outside:
+        monkeypatch.setattr(indexed, "DOWN_IN_KERNEL_MAX_RANK", 0)
     case = _inputs(torch.bfloat16, transposed, 2, tokens=300, experts=8, n_in=128, n_out=192, rank=8)
     g, k = case["grouping"], case["top_k"]
     names = ("x", "a", "w", "lora_a", "lora_b", "bias", "weights")
