@@ -6,7 +6,7 @@ the input gradient) and ``dB = grad^T (s xa)`` per expert; ``two_gemms`` is what
 before (``torch._grouped_mm`` twice on Hopper bf16). ``second_op``: the second GEMM's output
 gradient, ``[T, 2880]`` in token order, read through the permutation and scaled by the routing
 weights; ``two_gemms`` is the Triton GEMM and weight gradient reading it that way. ``one_pass`` is
-``kernels.moe_fused.lora_grad_pair``. Device time by CUDA events (median of 30 after 3 warm-up
+``kernels.moe_lora_pair.lora_grad_pair``. Device time by CUDA events (median of 30 after 3 warm-up
 calls) and each result's relative difference to float64::
 
     python benchmarks/lora_grad_pair_bench.py lora_grad_pair.json  # gpu
@@ -19,7 +19,7 @@ import statistics
 import sys
 
 import torch
-from lightning_sloth.kernels import moe_fused as kernels
+from lightning_sloth.kernels import moe_lora_pair as kernels
 
 from lightning_sloth.moe import group_by_expert
 from lightning_sloth.moe.gemm import _mm, _weight_grad

@@ -421,7 +421,7 @@ def test_kernels_interpreted_ops_match_float64_and_are_deterministic(top_k, tran
 def test_kernels_interpreted_lora_grad_pair_equals_the_two_products(rank):
     """g = grad B_e and dB = grad^T side from one pass over grad: float32 against float64, zero for
     idle experts, the same bits on a rerun."""
-    from lightning_sloth.kernels import moe_fused as kernels
+    from lightning_sloth.kernels import moe_lora_pair as kernels
 
     grouping, _ = _routing(11, 7, 3, 2, used=[1, 2, 4, 6])
     gen = torch.Generator().manual_seed(8)

@@ -24,6 +24,7 @@ from lightning_sloth.ops.registry import TRITON_OPS, use_triton
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if TRITON_OPS or _INTERPRETED:
     from lightning_sloth.kernels import moe_fused as _kernels
+    from lightning_sloth.kernels import moe_lora_pair as _pair_kernels
 
 __all__ = [
     "GATHERED_ROWS_GROUPED_MM",
@@ -220,7 +221,7 @@ output's gradient (``g = grad B_e``, ``dB = grad^T xa``) in one pass over that `
 
 def lora_grad_pair_fits(grad: Tensor, rank: int) -> bool:
     """Whether :func:`lora_grad_pair` makes both products in one pass for rows of ``grad``."""
-    return LORA_GRAD_PAIR and use_kernels(grad) and 0 < rank <= _kernels.LORA_GRAD_PAIR_MAX_RANK
+    return LORA_GRAD_PAIR and use_kernels(grad) and 0 < rank <= _pair_kernels.LORA_GRAD_PAIR_MAX_RANK
 
 
 def lora_grad_pair(
@@ -239,7 +240,7 @@ def lora_grad_pair(
     (:func:`lora_grad_pair_fits`), else the two products separately (:func:`indexed_grouped_mm` and
     :func:`indexed_weight_grad`, which scale as the kernel does)."""
     if lora_grad_pair_fits(grad, up.shape[2]):
-        return _kernels.lora_grad_pair(grad, up, side, ends, idx=idx, div=div, scale=scale)
+        return _pair_kernels.lora_grad_pair(grad, up, side, ends, idx=idx, div=div, scale=scale)
     if idx is None:
         return _mm(grad, up, ends, w_is_kn=True), _weight_grad(grad, side, ends)
     g = indexed_grouped_mm(grad, up, ends, True, a_idx=idx, div=div, scale=scale)

@@ -149,7 +149,7 @@ def test_opcheck_triton_op_path():
 def test_lora_grad_pair_matches_float64_and_repeats(rank):
     """g = grad B_e and dB = grad^T side from one pass over a GPT-OSS-wide gradient (2,880 columns:
     a partial last column block), bf16 against float64, zero for idle experts, the same bits twice."""
-    from lightning_sloth.kernels import moe_fused as kernels
+    from lightning_sloth.kernels import moe_lora_pair as kernels
 
     case = _inputs(torch.bfloat16, False, 4, tokens=700, experts=16, n_in=64, n_out=2880, rank=rank)
     g = case["grouping"]
