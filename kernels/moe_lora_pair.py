@@ -22,9 +22,9 @@ __all__ = ["LORA_GRAD_PAIR_MAX_RANK", "lora_grad_pair"]
 
 @triton.jit
 def _lora_grad_pair_kernel(
-    G, UP, SIDE, DUP, PART, ENDS, IDX, SCALE, n_cols, rank, div, stride_gm, stride_ue, stride_un, stride_ur,
-    stride_sm, stride_de, stride_dn, stride_dr, stride_pc, stride_pm,
-    BN: tl.constexpr, BR: tl.constexpr, RP: tl.constexpr, INDEXED: tl.constexpr, SCALED: tl.constexpr,
+    G, UP, SIDE, DUP, PART, ENDS, n_cols, rank, stride_gm, stride_ue, stride_un, stride_ur, stride_sm,
+    stride_de, stride_dn, stride_dr, stride_pc, stride_pm,
+    BN: tl.constexpr, BR: tl.constexpr, RP: tl.constexpr,
 ):  # fmt: skip
     # One program per (column block, expert): it walks the expert's rows once, accumulating
     # dUP[e, cols] = G[rows, cols]^T SIDE[rows] whole and writing G[rows, cols] UP[e, cols] as this
@@ -46,13 +46,8 @@ def _lora_grad_pair_kernel(
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         row_mask = rows < end
-        if INDEXED:  # row s is grad[idx[s] // div] (times scale[idx[s]])
-            slots = tl.load(IDX + rows, mask=row_mask, other=0).to(tl.int64)
-            g_rows = slots // div
-        else:
-            g_rows = rows
         g = tl.load(
-            G + g_rows[:, None] * stride_gm + cols[None, :],
+            G + rows[:, None] * stride_gm + cols[None, :],
             mask=row_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
@@ -61,13 +56,8 @@ def _lora_grad_pair_kernel(
             mask=row_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        part = _dot(g, up, tl.zeros((BR, RP), dtype=tl.float32))
-        if SCALED:  # g: the scale on the fp32 product, as the GEMM applies it; dUP: on the rows, rounded,
-            # as the weight gradient scales its operand
-            row_scale = tl.load(SCALE + slots, mask=row_mask, other=0.0).to(tl.float32)
-            part = part * row_scale[:, None]
-            g = (g.to(tl.float32) * row_scale[:, None]).to(G.dtype.element_ty)
         acc = _dot(tl.trans(g), side, acc)
+        part = _dot(g, up, tl.zeros((BR, RP), dtype=tl.float32))
         tl.store(
             PART + chunk * stride_pc + rows[:, None] * stride_pm + rs[None, :],
             part,
@@ -85,14 +75,7 @@ LORA_GRAD_PAIR_MAX_RANK = 64
 
 
 def lora_grad_pair(
-    grad: torch.Tensor,
-    up: torch.Tensor,
-    side: torch.Tensor,
-    ends: torch.Tensor,
-    *,
-    idx: torch.Tensor | None = None,
-    div: int = 1,
-    scale: torch.Tensor | None = None,
+    grad: torch.Tensor, up: torch.Tensor, side: torch.Tensor, ends: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad @ up_e [S, r], dUP [E, N, r])`` from one read of the ``[S, N]`` incoming gradient.
 
@@ -102,15 +85,11 @@ def lora_grad_pair(
     expert without rows), where two separate GEMMs read all of ``grad`` twice. Each program holds one
     column block of one expert; g is summed over the column blocks in float32 in a fixed order (no
     atomics) and rounded once. Both in grad's dtype. Every row is routed (``ends[-1] == S``), as in
-    the fused ops. With ``idx``, row s of grad is ``grad[idx[s] // div]``, times ``scale[idx[s]]``
-    when given: on g's float32 product, as :func:`~lightning_sloth.kernels.moe_fused.grouped_mm` scales, and on the rows rounded to
-    grad's dtype for dUP, as :func:`~lightning_sloth.kernels.moe_fused.grouped_mm_weight_grad` scales its operand (measured for the
-    second fused op's backward, which keeps its two passes: they read its token-order gradient
-    largely from L2 and took the same time, ``benchmarks/results/lora_grad_pair_both_h200.json``).
+    the fused ops. (The second fused op's backward, whose gradient is read through the permutation,
+    keeps its two passes: a version of this kernel reading rows that way took the same time,
+    ``benchmarks/results/lora_grad_pair_both_h200.json``, commit 20728a4.)
     """
-    if scale is not None and idx is None:
-        raise ValueError("lora_grad_pair: a per-row scale is read through idx")
-    rows, n_cols = (idx.shape[0] if idx is not None else grad.shape[0]), grad.shape[1]
+    rows, n_cols = grad.shape
     experts, rank = ends.shape[0], up.shape[2]
     if (
         not 0 < rank <= LORA_GRAD_PAIR_MAX_RANK
@@ -132,10 +111,8 @@ def lora_grad_pair(
     if side.stride(1) != 1:
         side = side.contiguous()
     launchable(_lora_grad_pair_kernel)[(chunks, experts)](
-        grad, up, side, d_up, parts, ends, idx if idx is not None else ends, scale if scale is not None else parts,
-        n_cols, rank, div, grad.stride(0), up.stride(0), up.stride(1), up.stride(2), side.stride(0),
-        d_up.stride(0), d_up.stride(1), d_up.stride(2), parts.stride(0), parts.stride(1),
-        BN=block_n, BR=block_r, RP=max(16, triton.next_power_of_2(rank)), INDEXED=idx is not None,
-        SCALED=scale is not None, num_warps=warps, num_stages=stages,
+        grad, up, side, d_up, parts, ends, n_cols, rank, grad.stride(0), up.stride(0), up.stride(1), up.stride(2),
+        side.stride(0), d_up.stride(0), d_up.stride(1), d_up.stride(2), parts.stride(0), parts.stride(1),
+        BN=block_n, BR=block_r, RP=max(16, triton.next_power_of_2(rank)), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return parts.sum(0).to(grad.dtype), d_up

@@ -440,17 +440,6 @@ def test_kernels_interpreted_lora_grad_pair_equals_the_two_products(rank):
     assert torch.equal(again[0], g) and torch.equal(again[1], d_up)
     with pytest.raises(ValueError, match="lora_grad_pair"):
         kernels.lora_grad_pair(grad, up, side[:, :2], grouping.ends)
-    # rows read through the permutation from token order, scaled by the routing weights
-    tokens = torch.randn(11, 70, generator=gen)
-    flat = torch.rand(33, generator=gen)
-    g, d_up = kernels.lora_grad_pair(tokens, up, side, grouping.ends, idx=grouping.perm, div=3, scale=flat)
-    rows = tokens.double()[grouping.perm // 3] * flat.double()[grouping.perm, None]
-    want_g = torch.stack([rows[s] @ up.double()[e] for s, e in enumerate(experts)])
-    want_up = torch.stack([rows[sl].t() @ side.double()[sl] for sl in slices])
-    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(d_up.double(), want_up, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="read through idx"):
-        kernels.lora_grad_pair(tokens, up, side, grouping.ends, scale=flat)
 
 
 @interpreted_only

@@ -41,7 +41,6 @@ __all__ = [
     "indexed_lora_grouped_mm",
     "indexed_weight_grad",
     "lora_grad_pair",
-    "lora_grad_pair_fits",
     "lora_input_grad",
     "ordered_grouped_mm",
     "ordered_input_grad_sum",
@@ -219,32 +218,13 @@ output's gradient (``g = grad B_e``, ``dB = grad^T xa``) in one pass over that `
 (:func:`lora_grad_pair`) instead of two GEMMs that each read all of it."""
 
 
-def lora_grad_pair_fits(grad: Tensor, rank: int) -> bool:
-    """Whether :func:`lora_grad_pair` makes both products in one pass for rows of ``grad``."""
-    return LORA_GRAD_PAIR and use_kernels(grad) and 0 < rank <= _pair_kernels.LORA_GRAD_PAIR_MAX_RANK
-
-
-def lora_grad_pair(
-    grad: Tensor,
-    up: Tensor,
-    side: Tensor,
-    ends: Tensor,
-    *,
-    idx: Tensor | None = None,
-    div: int = 1,
-    scale=None,
-) -> tuple[Tensor, Tensor]:
+def lora_grad_pair(grad: Tensor, up: Tensor, side: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
     """``(grad @ up_e [S, r], grad^T side per expert [E, N, r])`` for rows in expert order (every row
-    routed), ``up`` ``[E, N, r]``, row s of grad read as ``grad[idx[s] // div]`` (times
-    ``scale[idx[s]]``) when indexed: one read of ``grad`` on the kernel path
-    (:func:`lora_grad_pair_fits`), else the two products separately (:func:`indexed_grouped_mm` and
-    :func:`indexed_weight_grad`, which scale as the kernel does)."""
-    if lora_grad_pair_fits(grad, up.shape[2]):
-        return _pair_kernels.lora_grad_pair(grad, up, side, ends, idx=idx, div=div, scale=scale)
-    if idx is None:
-        return _mm(grad, up, ends, w_is_kn=True), _weight_grad(grad, side, ends)
-    g = indexed_grouped_mm(grad, up, ends, True, a_idx=idx, div=div, scale=scale)
-    return g, indexed_weight_grad(grad, side, ends, a_idx=idx, a_div=div, a_scale=scale)
+    routed), ``up`` ``[E, N, r]``: one read of ``grad`` on the kernel path (:data:`LORA_GRAD_PAIR`,
+    ranks up to 64), else ``torch._grouped_mm`` / the per-expert reference, twice."""
+    if LORA_GRAD_PAIR and use_kernels(grad) and 0 < up.shape[2] <= _pair_kernels.LORA_GRAD_PAIR_MAX_RANK:
+        return _pair_kernels.lora_grad_pair(grad, up, side, ends)
+    return _mm(grad, up, ends, w_is_kn=True), _weight_grad(grad, side, ends)
 
 
 def slot_sum(src: Tensor, top_k: int, weights: Tensor | None) -> Tensor:
