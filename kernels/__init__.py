@@ -5,24 +5,20 @@ In a checkout this folder sits at the repository root as ``kernels/``. Where the
 ``import kernels`` would find this folder before the ``kernels`` distribution that transformers
 imports (``transformers.integrations.hub_kernels``; a dependency of transformers since 5.2x), and
 that import would fail. Imported under that top-level name, this file hands the name to the
-installed distribution and is otherwise empty.
+installed distribution where there is one; where there is none it stays an empty package with no
+``__version__``, which transformers reads as "not installed". It is otherwise empty.
 """
 
 if __name__ == "kernels":
-    import importlib.machinery
-    import importlib.util
-    import os
-    import sys
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _root]
-    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None:
-        raise ModuleNotFoundError(
-            "No module named 'kernels': the repository's kernels/ folder is lightning_sloth.kernels, "
-            "and no 'kernels' distribution is installed",
-            name="kernels",
-        )
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = [entry for entry in _sys.path if _os.path.abspath(entry or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)

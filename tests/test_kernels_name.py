@@ -30,16 +30,18 @@ def test_the_top_level_name_goes_to_the_installed_distribution(tmp_path):
     assert result.stdout.startswith("the installed one 1 " + str(fake / "__init__.py"))
 
 
-def test_without_a_distribution_the_name_is_missing_and_says_why():
+def test_without_a_distribution_the_name_is_an_empty_package_without_a_version():
+    """What transformers' availability check reads as "not installed" (no ``__version__``), as the
+    folder's empty package always was: it must not raise."""
     result = _run(
-        "import importlib.machinery, sys\n"
-        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p or 'lightning' in p]\n"
-        "import kernels\n",
+        "import sys\n"
+        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+        "import kernels\n"
+        "print(kernels.__file__, hasattr(kernels, '__version__'), sorted(n for n in vars(kernels) if not n.startswith('_')))\n",
         ROOT,
     )
-    assert result.returncode != 0
-    assert "ModuleNotFoundError" in result.stderr
-    assert "kernels/ folder is lightning_sloth.kernels" in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(ROOT / "kernels" / "__init__.py"), "False", "[]"]
 
 
 def test_the_package_keeps_its_kernels():
