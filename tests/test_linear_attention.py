@@ -222,3 +222,51 @@ def test_chunk_table_serves_validation_batches_made_under_inference_mode():
         assert tables.get(inference_cu) is first
     assert torch.equal(first, chunk_table(cu.tolist(), torch.device("cpu"), cu.dtype))
     assert tables.get(cu) is not first  # another batch
+
+
+def test_the_conv_forward_of_transformers_5_25_runs_over_the_segments_and_falls_back_with_a_cache():
+    """transformers 5.25 calls ``causal_conv1d_forward(conv1d, x, cache, layer_idx, ...)`` where
+    earlier releases called ``causal_conv1d_fn``: the rebuilt forward replaces either."""
+    import types
+
+    from lightning_sloth.patching.linear_forwards import _packed_conv_forward, linear_attention_forward
+
+    calls = []
+
+    def original(conv1d, hidden_states, cache, layer_idx, activation=None, state_idx=0, **kwargs):
+        calls.append((cache, layer_idx, activation, state_idx))
+        return "original"
+
+    conv = torch.nn.Conv1d(5, 5, 4, groups=5, padding=3, dtype=torch.float64)
+    x = torch.randn(1, 5, 29, dtype=torch.float64)  # [B, D, T], as transformers passes it
+    cu = torch.tensor([0, 2, 13, 14, 29], dtype=torch.int32)
+    forward = _packed_conv_forward(original)
+    out = forward(conv, x, None, 0, activation="silu", cu_seq_lens_q=cu)
+    expected = packed_causal_conv1d(x.transpose(1, 2), conv.weight.squeeze(1), conv.bias, "silu", cu)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=0)
+    alone = packed_causal_conv1d(x[:, :, 14:].transpose(1, 2), conv.weight.squeeze(1), conv.bias, "silu")
+    torch.testing.assert_close(out[:, :, 14:], alone.transpose(1, 2))
+    assert forward(conv, x, "cache", 3, activation="silu", cu_seq_lens_q=cu) == "original"
+    assert forward(conv, x, None, 4) == "original"
+    assert calls == [("cache", 3, "silu", 0), (None, 4, None, 0)]
+
+    source = (
+        "def causal_conv1d_forward(*args, **kwargs): pass\n"
+        "def causal_conv1d_fn(*args, **kwargs): pass\n"
+        "def torch_chunk_gated_delta_rule(*args, **kwargs): pass\n"
+        "class New:\n"
+        "    def forward(self, x):\n"
+        "        return torch_chunk_gated_delta_rule(causal_conv1d_forward(x))\n"
+        "class Old:\n"
+        "    def forward(self, x):\n"
+        "        return torch_chunk_gated_delta_rule(causal_conv1d_fn(x))\n"
+        "class Neither:\n"
+        "    def forward(self, x):\n"
+        "        return x\n"
+    )
+    module = types.ModuleType("fake_modeling")
+    exec(compile(source, "fake_modeling.py", "exec"), module.__dict__)
+    for cls in (module.New, module.Old):
+        rebuilt = linear_attention_forward(cls)
+        assert rebuilt is not None and rebuilt.__code__ is cls.forward.__code__
+    assert linear_attention_forward(module.Neither) is None

@@ -12,7 +12,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 from lightning_sloth.hf_model import base_model
-from lightning_sloth.patching import _forwards
+from lightning_sloth.patching import _forwards, linear_forwards
 from lightning_sloth.patching.families import FAMILIES, OP_COLUMNS, Family
 from lightning_sloth.patching.gated_norm import gated_norm_fits, gated_norm_forward
 from lightning_sloth.patching.glu_lora_forwards import GLU_LORA_FORWARDS
@@ -213,7 +213,7 @@ def _family_rows(
             _Row(
                 "linear_attention",
                 family.classes(family.linear_attentions),
-                lambda module: _forwards.linear_attention_forward(type(module)),
+                lambda module: linear_forwards.linear_attention_forward(type(module)),
                 "the forward does not call causal_conv1d_fn and torch_chunk_gated_delta_rule by name",
             )
         )

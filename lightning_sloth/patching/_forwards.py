@@ -9,7 +9,7 @@ family or style comes from a cached factory, so patching twice installs the same
 Rotary embedding and linear attention need one trick: transformers' forwards call *module-level*
 functions of their modeling file (``apply_rotary_pos_emb``; ``causal_conv1d_fn`` and
 ``torch_chunk_gated_delta_rule``). Rebinding those globals would change every model of the family in
-the process; instead :func:`rope_attention_forward` and :func:`linear_attention_forward` rebuild the
+the process; instead :func:`rope_attention_forward` (and :mod:`.linear_forwards`) rebuild the
 class's own forward (same code object) over a copy of its module namespace in which those names are
 ours (:mod:`._rebuild`), and install the rebuilt function on the patched instances only.
 """
@@ -32,7 +32,6 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from lightning_sloth.hf_model import find_hf_model
-from lightning_sloth.linear_attention import packed_causal_conv1d, packed_gated_delta_rule
 from lightning_sloth.ops.glu import geglu, swiglu
 from lightning_sloth.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
 from lightning_sloth.ops.lora_groups import group_output
@@ -94,6 +93,12 @@ def _log_once(message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- RMSNorm
+def norm_eps(module: nn.Module, eps_attr: str) -> float:
+    """``eps_attr``, or ``variance_epsilon`` where transformers renamed it (5.25: Gemma 4, Llama 4)."""
+    eps = getattr(module, eps_attr, None)
+    return module.variance_epsilon if eps is None else eps
+
+
 @functools.cache
 def rms_norm_forward(style: NormStyle) -> Callable:
     """RMSNorm forward for one :class:`NormStyle`."""
@@ -106,7 +111,7 @@ def rms_norm_forward(style: NormStyle) -> Callable:
         @_op_forward("rms_norm")
         def shifted(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
             weight = self.weight.to(torch.float32) - 1.0
-            return rms_norm(hidden_states, weight, getattr(self, eps_attr), 1.0)
+            return rms_norm(hidden_states, weight, norm_eps(self, eps_attr), 1.0)
 
         return shifted
     if not style.fp32_product and offset != 0.0:
@@ -114,7 +119,7 @@ def rms_norm_forward(style: NormStyle) -> Callable:
 
     @_op_forward("rms_norm")
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset)
+        return rms_norm(hidden_states, self.weight, norm_eps(self, eps_attr), offset)
 
     return forward
 
@@ -128,7 +133,7 @@ def unit_rms_norm_forward(eps_attr: str) -> Callable:
     @_op_forward("rms_norm")
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros(hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
-        return rms_norm(hidden_states, zero, getattr(self, eps_attr), 1.0)
+        return rms_norm(hidden_states, zero, norm_eps(self, eps_attr), 1.0)
 
     return forward
 
@@ -360,79 +365,6 @@ def rope_attention_forward(
         rebuilt = rebuild_with_globals(cls.forward, {"apply_rotary_pos_emb": replace})
         _ROPE_FORWARDS[key] = None if rebuilt is None else _op_forward("rope")(rebuilt)
     return _ROPE_FORWARDS[key]
-
-
-# ------------------------------------------------------------------------------ linear attention
-def _packed_conv(original: Callable) -> Callable:
-    """transformers' ``causal_conv1d_fn(x [B, D, T], weight [D, W], bias, activation, **kwargs)``,
-    over the packed row's segments when the call carries ``cu_seq_lens_q``; else the original."""
-
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        cu_seqlens = kwargs.get("cu_seq_lens_q")
-        if cu_seqlens is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        out = packed_causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation, cu_seqlens)
-        return out.transpose(1, 2)
-
-    return causal_conv1d_fn
-
-
-def _packed_delta_rule(original: Callable) -> Callable:
-    """transformers' ``torch_chunk_gated_delta_rule(q, k, v, g, beta, ..., cu_seqlens)`` over the packed
-    row's segments when ``cu_seqlens`` is given without a carried state; else the original."""
-
-    def torch_chunk_gated_delta_rule(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        chunk_size=64,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=False,
-        cu_seqlens=None,
-        **kwargs,
-    ):
-        if cu_seqlens is None or initial_state is not None or output_final_state:
-            return original(
-                query,
-                key,
-                value,
-                g=g,
-                beta=beta,
-                chunk_size=chunk_size,
-                initial_state=initial_state,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens,
-                **kwargs,
-            )
-        out = packed_gated_delta_rule(
-            query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel
-        )
-        return out, None
-
-    return torch_chunk_gated_delta_rule
-
-
-_LINEAR_FORWARDS: dict[type, Callable | None] = {}
-
-
-def linear_attention_forward(cls: type[nn.Module]) -> Callable | None:
-    """A Gated DeltaNet class's forward rebuilt so that its short convolution and delta rule run over
-    the packed row's segments (:mod:`lightning_sloth.linear_attention`).
-
-    Returns None when the forward does not call ``causal_conv1d_fn`` and
-    ``torch_chunk_gated_delta_rule`` by their global names.
-    """
-    if cls not in _LINEAR_FORWARDS:
-        rebuilt = rebuild_with_globals(
-            cls.forward,
-            {"causal_conv1d_fn": _packed_conv, "torch_chunk_gated_delta_rule": _packed_delta_rule},
-        )
-        _LINEAR_FORWARDS[cls] = None if rebuilt is None else _op_forward("linear_attention")(rebuilt)
-    return _LINEAR_FORWARDS[cls]
 
 
 # ------------------------------------------------------------------------------------------- loss

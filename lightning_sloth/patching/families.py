@@ -333,7 +333,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "llama4_text": Family(
         package="llama4",
-        norms=("Llama4TextRMSNorm", "Llama4TextL2Norm"),
+        # transformers 5.25 renamed the weightless q/k norm (Llama4TextL2Norm stays an alias).
+        norms=("Llama4TextRMSNorm", "Llama4TextL2Norm", "Llama4TextWeightlessRMSNorm"),
         norm_style=LLAMA4_NORM,
         mlps=("Llama4TextMLP",),
         activation_attr="hidden_act",
