@@ -5,7 +5,10 @@ transformers' modules call module-level functions of their modeling file by name
 global would change every model of the family in the process; instead :func:`rebuild_with_globals`
 makes a new function from the forward's own code object over a copied namespace where those names
 are replaced, and the patching installs it on chosen instances only. Decorators that keep the
-function in a closure (``deprecate_kwarg``, ``force_accelerate_hooks``) are rebuilt around it.
+function in a closure (``deprecate_kwarg``, ``force_accelerate_hooks``) are rebuilt around it, except
+the ``kernels`` package's per-instance router (``use_kernelized_func``, on transformers' classes from
+5.25) where every function it routes is replaced: it would have nothing left to route, and it sets a
+context variable on each call, which Dynamo refuses inside activation checkpointing.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def rebuild_with_globals(forward: Any, replacements: Mapping[str, Replacement]) 
     for wrapper in reversed(wrappers):
         if rebuilt is None:
             return None
-        rebuilt = _rewrap(wrapper, wrapper.__wrapped__, rebuilt)
+        if not _routes_only(wrapper, [forward.__globals__[name] for name in replacements]):
+            rebuilt = _rewrap(wrapper, wrapper.__wrapped__, rebuilt)
     return rebuilt
 
 
@@ -56,6 +60,21 @@ def _rebuild_plain(forward: Any, replacements: Mapping[str, Replacement]) -> Cal
     functools.update_wrapper(rebuilt, forward, updated=())
     del rebuilt.__wrapped__  # introspection should see the rebuilt function, not the class's
     return rebuilt
+
+
+def _routes_only(wrapper: Any, replaced: list[Any]) -> bool:
+    """Whether ``wrapper`` is the ``kernels`` package's router for functions all of which are among
+    ``replaced`` (the globals the rebuild replaces; the router holds its functions in its closure)."""
+    if not str(getattr(wrapper, "__globals__", {}).get("__name__")).startswith("kernels."):
+        return False
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            routed = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(routed, (list, tuple)) and routed and all(callable(f) for f in routed):
+            return all(any(f is g for g in replaced) for f in routed)
+    return False
 
 
 def _rewrap(wrapper: Any, original: Any, replacement: Callable) -> Callable | None:
