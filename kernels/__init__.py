@@ -3,7 +3,7 @@
 In a checkout this folder sits at the repository root as ``kernels/``. Where the root is on
 ``sys.path`` (``python -m pytest`` or ``python -m lightning_sloth.bench`` run from it), a plain
 ``import kernels`` would find this folder before the ``kernels`` distribution that transformers
-imports (``transformers.integrations.hub_kernels``; a dependency of transformers since 5.2x), and
+imports (``transformers.integrations.hub_kernels``; a dependency of transformers from 5.25), and
 that import would fail. Imported under that top-level name, this file hands the name to the
 installed distribution where there is one; where there is none it stays an empty package with no
 ``__version__``, which transformers reads as "not installed". It is otherwise empty.

@@ -214,7 +214,7 @@ def _family_rows(
                 "linear_attention",
                 family.classes(family.linear_attentions),
                 lambda module: linear_forwards.linear_attention_forward(type(module)),
-                "the forward does not call causal_conv1d_fn and torch_chunk_gated_delta_rule by name",
+                "the forward does not call torch_chunk_gated_delta_rule and causal_conv1d_fn (or causal_conv1d_forward) by name",
             )
         )
     if settings.rms_norm_gated:
