@@ -64,7 +64,10 @@ def llama(hidden: int, layers: int, vocab: int, attention: str) -> LlamaForCausa
     return LlamaForCausalLM(config)
 
 
-def _worker(rank: int, port: int, device_type: str, offload: bool, results, world: int) -> None:
+def _worker(rank: int, port: int, device_type: str, offloads: tuple, results, world: int) -> None:
+    """One rank: for each of ``offloads`` (offload off and on), a fresh model trained 3 DDP steps on
+    this rank's data, in one process group (one spawn for both runs: each rank's start-up, its
+    imports above all, is most of a CPU run's time)."""
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -72,19 +75,23 @@ def _worker(rank: int, port: int, device_type: str, offload: bool, results, worl
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     try:
         device = torch.device(device_type, rank) if cuda else torch.device("cpu")
-        model = llama(256, 4, 512, "eager").to(device).train()  # eager attention: deterministic backward
-        offloader = ActivationOffloader("on", device=device_type, min_offload_bytes=0) if offload else None
-        apply_checkpointing(model, offloader=offloader)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-        for _ in range(3):
-            ids = torch.randint(0, 512, (2, 384), generator=gen).to(device)
-            ddp(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        state = {n: p.detach().cpu() for n, p in model.named_parameters()}
-        results[(offload, rank)] = (state, offloader.stats() if offloader is not None else {})
+        for offload in offloads:
+            model = llama(256, 4, 512, "eager").to(device).train()  # eager attention: deterministic backward
+            offloader = (
+                ActivationOffloader("on", device=device_type, min_offload_bytes=0) if offload else None
+            )
+            apply_checkpointing(model, offloader=offloader)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+            for _ in range(3):
+                ids = torch.randint(0, 512, (2, 384), generator=gen).to(device)
+                ddp(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            state = {n: p.detach().cpu() for n, p in model.named_parameters()}
+            results[(offload, rank)] = (state, offloader.stats() if offloader is not None else {})
+            del ddp, model, optimizer
     except BaseException:
         leave_at_once()
     dist.destroy_process_group()
@@ -123,11 +130,10 @@ def start_and_join(worker, args: tuple, world: int, timeout: float = RANKS_TIMEO
 
 def run(device_type: str, world: int = WORLD) -> dict:
     """``{(offload, rank): (parameters after 3 DDP steps, offloader stats)}`` for offload off and on,
-    on ``world`` processes."""
+    on ``world`` processes (spawned once, both runs in each)."""
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
-        for offload in (False, True):
-            start_and_join(_worker, (free_port(), device_type, offload, results, world), world)
+        start_and_join(_worker, (free_port(), device_type, (False, True), results, world), world)
         return dict(results)
 
 
