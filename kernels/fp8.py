@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lightning_sloth.kernels._utils import launchable
+from lightning_sloth.kernels._utils import _multiprocessors, launchable
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -210,46 +210,53 @@ def _quantize_rows_lora_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_M, RANK0], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, RANK1], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, RANK2], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        col_mask = cols < n_cols
-        x = tl.load(
-            X + rows[:, None] * stride_x + cols[None, :],
-            mask=row_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if CODES:
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        acc0 = _adapter_product(x, A0, cols, col_mask, n_cols, acc0, rank0, RANK0, IEEE)
-        if N_ADAPTERS > 1:
-            acc1 = _adapter_product(x, A1, cols, col_mask, n_cols, acc1, rank1, RANK1, IEEE)
-        if N_ADAPTERS > 2:
-            acc2 = _adapter_product(x, A2, cols, col_mask, n_cols, acc2, rank2, RANK2, IEEE)
-    _store_product(XA, acc0, rows, row_mask, stride_xa, rank0, RANK0)
-    if N_ADAPTERS > 1:
-        _store_product(XA + rank0, acc1, rows, row_mask, stride_xa, rank1, RANK1)
-    if N_ADAPTERS > 2:
-        _store_product(XA + rank0 + rank1, acc2, rows, row_mask, stride_xa, rank2, RANK2)
-    if CODES:
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, FMAX), 1.0)
-        tl.store(SCALE + rows, scale, mask=row_mask)
+    # Grid-stride over blocks of rows: the launcher bounds the programs so that the rows they
+    # walk at once stay in L2 for the second pass (see quantize_rows_lora).
+    for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_M, RANK0], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, RANK1], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, RANK2], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            v = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -FMAX), FMAX)
-            code = v.to(Q.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(Q + rows[:, None] * stride_q + cols[None, :], code, mask=mask)
+            col_mask = cols < n_cols
+            x = tl.load(
+                X + rows[:, None] * stride_x + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if CODES:
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+            acc0 = _adapter_product(x, A0, cols, col_mask, n_cols, acc0, rank0, RANK0, IEEE)
+            if N_ADAPTERS > 1:
+                acc1 = _adapter_product(x, A1, cols, col_mask, n_cols, acc1, rank1, RANK1, IEEE)
+            if N_ADAPTERS > 2:
+                acc2 = _adapter_product(x, A2, cols, col_mask, n_cols, acc2, rank2, RANK2, IEEE)
+        _store_product(XA, acc0, rows, row_mask, stride_xa, rank0, RANK0)
+        if N_ADAPTERS > 1:
+            _store_product(XA + rank0, acc1, rows, row_mask, stride_xa, rank1, RANK1)
+        if N_ADAPTERS > 2:
+            _store_product(XA + rank0 + rank1, acc2, rows, row_mask, stride_xa, rank2, RANK2)
+        if CODES:
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, FMAX), 1.0)
+            tl.store(SCALE + rows, scale, mask=row_mask)
+            for start in range(0, n_cols, BLOCK_K):
+                cols = start + tl.arange(0, BLOCK_K)
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                v = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -FMAX), FMAX)
+                code = v.to(Q.dtype.element_ty, fp_downcast_rounding="rtne")
+                tl.store(Q + rows[:, None] * stride_q + cols[None, :], code, mask=mask)
 
 
 LORA_BLOCK_M = 16
 LORA_BLOCK_K = 256
+LORA_ROWS_IN_FLIGHT_BYTES = 24 << 20
+"""The bytes of x the programs of one ``quantize_rows_lora`` call hold between their two passes at
+most (their rows, read once for the amax and the products, then again for the codes): about half
+an H100's L2, so that the second read comes from there."""
 
 
 def _rank_block(rank: int) -> int:
@@ -294,7 +301,16 @@ def quantize_rows_lora(
         return q, scale, xa
     padded = adapters + [adapters[0]] * (MAX_ADAPTERS - len(adapters))
     padded_ranks = ranks + [0] * (MAX_ADAPTERS - len(ranks))
-    launchable(_quantize_rows_lora_kernel)[(triton.cdiv(n_rows, LORA_BLOCK_M),)](
+    blocks = triton.cdiv(n_rows, LORA_BLOCK_M)
+    programs = max(1, LORA_ROWS_IN_FLIGHT_BYTES // (LORA_BLOCK_M * n_cols * x.element_size()))
+    if x.is_cuda:  # at least one program per SM, whatever the width
+        programs = max(
+            programs,
+            _multiprocessors(x.device.index if x.device.index is not None else torch.cuda.current_device()),
+        )
+    else:  # the interpreter: a few programs exercise the grid-stride loop
+        programs = min(programs, 2)
+    launchable(_quantize_rows_lora_kernel)[(min(blocks, programs),)](
         x,
         q if q is not None else xa,
         scale if scale is not None else xa,
