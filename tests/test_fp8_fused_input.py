@@ -134,3 +134,18 @@ def test_4bit_storage_with_fp8_compute_takes_the_fused_input(monkeypatch):
     assert CALLS["fused"] == 1
     for got, want in zip(fused[0] + fused[1], plain[0] + plain[1]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_fused_input_is_off_by_default_and_switched_from_the_environment(monkeypatch):
+    from lightning_sloth.ops import fp8 as fp8_ops
+
+    monkeypatch.delenv("LIGHTNING_SLOTH_FP8_FUSED_INPUT", raising=False)
+    assert fp8_ops._fused_input_from_environment() is False
+    for value, expected in (("1", True), (" 0 ", False)):
+        monkeypatch.setenv("LIGHTNING_SLOTH_FP8_FUSED_INPUT", value)
+        assert fp8_ops._fused_input_from_environment() is expected
+    monkeypatch.setenv("LIGHTNING_SLOTH_FP8_FUSED_INPUT", "yes")
+    with pytest.raises(ValueError, match="must be 1 or 0, got 'yes'"):
+        fp8_ops._fused_input_from_environment()
+    monkeypatch.setattr(fp8_ops, "FUSED_LORA_INPUT", False)  # off: never taken, whatever the device
+    assert not fp8_ops.runs_fused_lora_input(torch.zeros(4, 32), 16, [torch.zeros(2, 32)])

@@ -42,6 +42,7 @@ switches it holds for the whole process.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -91,6 +92,21 @@ E4M3 = FP8_DTYPES["e4m3"]
 
 FAST_ACCUM = True
 """``use_fast_accum`` of every FP8 product (see the module notes); read at each call."""
+
+
+def _fused_input_from_environment() -> bool:
+    value = os.environ.get("LIGHTNING_SLOTH_FP8_FUSED_INPUT", "0").strip().lower()
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"LIGHTNING_SLOTH_FP8_FUSED_INPUT must be 1 or 0, got {value!r}")
+
+
+FUSED_LORA_INPUT = _fused_input_from_environment()
+"""Whether LoRA layers over FP8 bases quantise their input and make the adapters' ``x A^T`` in one
+kernel (:func:`runs_fused_lora_input`); read at each call. Off by default
+(``LIGHTNING_SLOTH_FP8_FUSED_INPUT=1`` in the environment, or setting this, turns it on): its speed
+on the GPU has no committed measurement yet, and the results of either path are the same up to the
+order of the sums in ``x A^T``."""
 
 
 def scaled_mm(
@@ -149,9 +165,11 @@ def runs_fused_lora_input(x: Tensor, n: int, adapters) -> bool:
     ``x [M, K]`` and makes the adapters' ``x A_i^T`` in one kernel
     (:func:`quantize_activation_lora`): on the FP8 tensor cores (:func:`scaled_mm_applies`), with
     rows, 1 to 3 adapters of rank 1 or more. Everywhere else each ``x A_i^T`` is a product of its
-    own and x is quantised (or emulated) by the base product."""
+    own and x is quantised (or emulated) by the base product. Only while :data:`FUSED_LORA_INPUT`
+    is on."""
     return (
-        x.shape[0] > 0
+        FUSED_LORA_INPUT
+        and x.shape[0] > 0
         and use_triton(x)
         and scaled_mm_applies(x, n)
         and 1 <= len(adapters) <= 3
