@@ -4,6 +4,7 @@ path without it. Here on a CPU, with the kernel's choice forced and ``_scaled_mm
 plumbing of every op that takes it is checked (the kernel itself: ``tests/test_fp8_kernels.py``
 under the interpreter and ``tests/gpu/test_fp8_gpu.py``)."""
 
+import pytest
 import torch
 
 from lightning_sloth.ops import fp8_lora
