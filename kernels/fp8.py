@@ -18,9 +18,10 @@ The Triton interpreter's float8 conversion does not round like the hardware (it 
 the exponent), so the codes are checked on the GPU; the interpreter checks the scales.
 
 ``quantize_rows_lora``: the same codes and scales for the input of LoRA layers over FP8 bases, with
-the adapters' ``x A_i^T`` (rank r_i) made from the same read of x: a program owns ``BLOCK_M`` rows,
-walks them in ``BLOCK_K``-wide chunks (the amax and each adapter's product, one ``tl.dot`` per chunk
-in float32, rounded once to x's dtype), then again for the codes (the second read from L2). Without
+the adapters' ``x A_i^T`` (rank r_i) made from the same read of x: a program owns ``BLOCK_M`` rows
+at a time and walks them in ``BLOCK_K``-wide chunks (the amax and each adapter's product, one
+``tl.dot`` per chunk in float32, rounded once to x's dtype), then again for the codes (the second
+read from L2). Without
 it each adapter's product is a skinny GEMM of its own that reads all of x again. With
 ``codes=False`` only the products: a checkpoint's recompute that skips the base product
 (``UnreadSumFP8``) gets the forward's ``x A^T`` bit for bit.
@@ -251,7 +252,10 @@ def _quantize_rows_lora_kernel(
                 tl.store(Q + rows[:, None] * stride_q + cols[None, :], code, mask=mask)
 
 
-LORA_BLOCK_M = 16
+LORA_BLOCK_M = 32
+"""Rows per program up to :data:`ONE_PASS_MAX_COLS` columns (16 above): each block of rows reads
+every A once more from L2, so more rows read them less often, fewer rows keep more programs within
+:data:`LORA_ROWS_IN_FLIGHT_BYTES`."""
 LORA_BLOCK_K = 256
 LORA_ROWS_IN_FLIGHT_BYTES = 24 << 20
 """The bytes of x the programs of one ``quantize_rows_lora`` call hold between their two passes at
@@ -301,8 +305,9 @@ def quantize_rows_lora(
         return q, scale, xa
     padded = adapters + [adapters[0]] * (MAX_ADAPTERS - len(adapters))
     padded_ranks = ranks + [0] * (MAX_ADAPTERS - len(ranks))
-    blocks = triton.cdiv(n_rows, LORA_BLOCK_M)
-    programs = max(1, LORA_ROWS_IN_FLIGHT_BYTES // (LORA_BLOCK_M * n_cols * x.element_size()))
+    block_m = LORA_BLOCK_M if n_cols <= ONE_PASS_MAX_COLS else 16
+    blocks = triton.cdiv(n_rows, block_m)
+    programs = max(1, LORA_ROWS_IN_FLIGHT_BYTES // (block_m * n_cols * x.element_size()))
     if x.is_cuda:  # at least one program per SM, whatever the width
         programs = max(
             programs,
@@ -329,7 +334,7 @@ def quantize_rows_lora(
         RANK1=_rank_block(padded_ranks[1]),
         RANK2=_rank_block(padded_ranks[2]),
         IEEE=x.dtype == torch.float32,
-        BLOCK_M=LORA_BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_K=LORA_BLOCK_K,
         num_warps=4,
     )

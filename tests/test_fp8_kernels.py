@@ -65,14 +65,14 @@ def test_interpreted_byte_transpose_equals_torchs(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("ranks", [(16,), (8, 16), (4, 32, 3)])
 def test_interpreted_quantisation_with_the_adapters_products(dtype, ranks):
-    """``quantize_rows_lora``: the scales bit for bit ``quantize_rows``' (rows of 1 to 600 columns,
+    """``quantize_rows_lora``: the scales bit for bit ``quantize_rows``' (rows of 17 to 4,200 columns,
     ragged chunks, a zero row), each ``x A_i^T`` within one rounding of the float64 product, and
     each adapter's product the same bits alone as beside others (a layer alone and in its group);
     ``dtype=None`` gives the same products and no codes."""
     from lightning_sloth.kernels import fp8
 
     gen = torch.Generator().manual_seed(0)
-    for rows, width in ((37, 600), (5, 256), (1, 17)):
+    for rows, width in ((37, 600), (5, 256), (1, 17), (19, 4200)):  # 4200: 16 rows per program
         x = (torch.randn(rows, width, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))).to(
             dtype
         )
