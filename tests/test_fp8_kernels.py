@@ -1,6 +1,5 @@
 """The row-wise FP8 quantisation kernel under the Triton interpreter: its scales equal the plain-torch
-reference bit for bit; with the LoRA adapters' products made from the same read, those products equal
-the float64 ones and do not depend on the adapters beside them; the byte transpose equals torch's (the interpreter's float8 conversion does not round like the hardware, so the
+reference bit for bit; the byte transpose equals torch's (the interpreter's float8 conversion does not round like the hardware, so the
 codes are compared on the GPU, ``tests/gpu/test_fp8_gpu.py``)."""
 
 import pytest
@@ -61,53 +60,6 @@ def test_interpreted_byte_transpose_equals_torchs(shape, dtype):
     assert torch.equal(out.view(torch.uint8), x.t().contiguous().view(torch.uint8))
 
 
-@interpreted_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("ranks", [(16,), (8, 16), (4, 32, 3)])
-def test_interpreted_quantisation_with_the_adapters_products(dtype, ranks):
-    """``quantize_rows_lora``: the scales bit for bit ``quantize_rows``' (rows of 17 to 4,200 columns,
-    ragged chunks, a zero row), each ``x A_i^T`` within one rounding of the float64 product, and
-    each adapter's product the same bits alone as beside others (a layer alone and in its group);
-    ``dtype=None`` gives the same products and no codes."""
-    from lightning_sloth.kernels import fp8
-
-    gen = torch.Generator().manual_seed(0)
-    for rows, width in ((37, 600), (5, 256), (1, 17), (19, 4200)):  # 4200: 16 rows per program
-        x = (torch.randn(rows, width, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))).to(
-            dtype
-        )
-        if rows > 4:
-            x[3] = 0.0
-        adapters = [(torch.randn(r, width, generator=gen) / width**0.5).to(dtype) for r in ranks]
-        codes, scale, xa = fp8.quantize_rows_lora(x, adapters)
-        ref_codes, ref_scale = quantize_rows(x, "e4m3")
-        assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape
-        assert torch.equal(scale, ref_scale)
-        assert xa.dtype == dtype and xa.shape == (rows, sum(ranks))
-        exact = torch.cat([x.double() @ a.double().t() for a in adapters], dim=1)
-        tol = 1e-5 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(xa.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
-        start = 0
-        for a in adapters:  # alone: the same bits as in the group
-            _, _, alone = fp8.quantize_rows_lora(x, [a])
-            assert torch.equal(alone, xa[:, start : start + a.shape[0]])
-            start += a.shape[0]
-        none_codes, none_scale, products = fp8.quantize_rows_lora(x, adapters, None)
-        assert none_codes is None and none_scale is None and torch.equal(products, xa)
-
-
-def test_quantisation_with_adapters_refuses_bad_adapters():
-    from lightning_sloth.kernels import fp8
-
-    x = torch.zeros(4, 32)
-    with pytest.raises(ValueError, match="1 to 3 adapters"):
-        fp8.quantize_rows_lora(x, [])
-    with pytest.raises(ValueError, match=r"contiguous \[r, 32\]"):
-        fp8.quantize_rows_lora(x, [torch.zeros(4, 16)])
-    with pytest.raises(ValueError, match=r"contiguous \[r, 32\]"):
-        fp8.quantize_rows_lora(x, [torch.zeros(4, 32, dtype=torch.float16)])
-
-
 def test_byte_transpose_refuses_wider_elements():
     from lightning_sloth.kernels import fp8
 
@@ -118,6 +70,6 @@ def test_byte_transpose_refuses_wider_elements():
 @launcher_only
 def test_kernels_under_triton_interpreter():
     result = run_interpreted_cases(__file__)
-    assert result.returncode == 0 and "19 passed" in result.stdout, (
+    assert result.returncode == 0 and "13 passed" in result.stdout, (
         result.stdout[-3000:] + result.stderr[-3000:]
     )

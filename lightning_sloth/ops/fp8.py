@@ -42,7 +42,6 @@ switches it holds for the whole process.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -82,8 +81,6 @@ __all__ = [
     "linear_fp8",
     "linear_fp8_grad",
     "quantize_activation",
-    "quantize_activation_lora",
-    "runs_fused_lora_input",
     "scaled_mm",
     "scaled_mm_applies",
 ]
@@ -92,21 +89,6 @@ E4M3 = FP8_DTYPES["e4m3"]
 
 FAST_ACCUM = True
 """``use_fast_accum`` of every FP8 product (see the module notes); read at each call."""
-
-
-def _fused_input_from_environment() -> bool:
-    value = os.environ.get("LIGHTNING_SLOTH_FP8_FUSED_INPUT", "0").strip().lower()
-    if value in ("0", "1"):
-        return value == "1"
-    raise ValueError(f"LIGHTNING_SLOTH_FP8_FUSED_INPUT must be 1 or 0, got {value!r}")
-
-
-FUSED_LORA_INPUT = _fused_input_from_environment()
-"""Whether LoRA layers over FP8 bases quantise their input and make the adapters' ``x A^T`` in one
-kernel (:func:`runs_fused_lora_input`); read at each call. Off by default
-(``LIGHTNING_SLOTH_FP8_FUSED_INPUT=1`` in the environment, or setting this, turns it on): its speed
-on the GPU has no committed measurement yet, and the results of either path are the same up to the
-order of the sums in ``x A^T``."""
 
 
 def scaled_mm(
@@ -158,40 +140,6 @@ def quantize_activation(t: Tensor, fmt: str, col_scale: Tensor | None = None) ->
     if use_triton(t):
         return _kernels.quantize_rows(t, FP8_DTYPES[fmt], col_scale)
     return quantize_rows(t.float() * col_scale if col_scale is not None else t, fmt)
-
-
-def runs_fused_lora_input(x: Tensor, n: int, adapters) -> bool:
-    """Whether a LoRA layer (or group) over FP8 bases of ``n`` outputs (each, for a group) quantises
-    ``x [M, K]`` and makes the adapters' ``x A_i^T`` in one kernel
-    (:func:`quantize_activation_lora`): on the FP8 tensor cores (:func:`scaled_mm_applies`), with
-    rows, 1 to 3 adapters of rank 1 or more. Everywhere else each ``x A_i^T`` is a product of its
-    own and x is quantised (or emulated) by the base product. Only while :data:`FUSED_LORA_INPUT`
-    is on."""
-    return (
-        FUSED_LORA_INPUT
-        and x.shape[0] > 0
-        and use_triton(x)
-        and scaled_mm_applies(x, n)
-        and 1 <= len(adapters) <= 3
-        and all(a.shape[0] > 0 for a in adapters)
-    )
-
-
-def quantize_activation_lora(
-    x: Tensor, adapters, codes: bool = True
-) -> tuple[Tensor | None, Tensor | None, Tensor]:
-    """``(codes, scales, xa)``: x's row-wise e4m3 codes and scales (:func:`quantize_activation`'s,
-    bit for bit) and ``xa = [x A_1^T, ...]`` from one read of x, on CUDA one kernel
-    (``kernels.fp8.quantize_rows_lora``); ``codes=False``: xa alone (codes and scales None), the
-    same bits. Elsewhere the plain-torch products (used where the kernel is not)."""
-    if use_triton(x):
-        adapters = [a if a.is_contiguous() else a.contiguous() for a in adapters]
-        return _kernels.quantize_rows_lora(x, adapters, FP8_DTYPES["e4m3"] if codes else None)
-    xa = torch.cat([x @ a.t() for a in adapters], dim=1)
-    if not codes:
-        return None, None, xa
-    q, s = quantize_activation(x, "e4m3")
-    return q, s, xa
 
 
 def fp8_product(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:

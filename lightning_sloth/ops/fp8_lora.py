@@ -32,8 +32,6 @@ from lightning_sloth.ops.fp8 import (
     fp8_grad_product,
     fp8_product,
     quantize_activation,
-    quantize_activation_lora,
-    runs_fused_lora_input,
     scaled_mm,
     scaled_mm_applies,
 )
@@ -41,14 +39,7 @@ from lightning_sloth.ops.fp8_formats import check_grad_format, dequantize_rows, 
 from lightning_sloth.ops.lora_layers import adapter_in, plain_parts
 from lightning_sloth.ops.registry import call, register_autograd, register_flops, sloth_op
 
-__all__ = [
-    "UnreadSumFP8",
-    "adapter_product",
-    "lora_linear_fp8",
-    "plain_fp8",
-    "shared_input_fp8",
-    "shared_input_fp8_bases",
-]
+__all__ = ["UnreadSumFP8", "lora_linear_fp8", "plain_fp8", "shared_input_fp8", "shared_input_fp8_bases"]
 
 
 class UnreadSumFP8(torch.autograd.Function):
@@ -68,7 +59,7 @@ class UnreadSumFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, x, lora_a, lora_b, scale, grad_format, backward_ops, constants, *storage):
         rows = x.reshape(-1, x.shape[-1])
-        xa = adapter_product(rows, lora_a, lora_b.shape[0])
+        xa = rows @ lora_a.t()
         ctx.save_for_backward(rows, xa, lora_a, lora_b, *storage)
         ctx.scale, ctx.grad_format, ctx.ops, ctx.constants, ctx.x_shape = (
             scale, grad_format, backward_ops, constants, x.shape,
@@ -108,31 +99,11 @@ def check_unread(residual: Tensor, x: Tensor, out_features: int) -> None:
         )
 
 
-def adapter_product(x: Tensor, lora_a: Tensor, n: int) -> Tensor:
-    """``x A^T`` as :func:`lora_outputs` makes it for a layer of ``n`` outputs (a recompute that
-    skips the base product gets the forward's bits): from the quantisation's kernel where that runs
-    (:func:`~lightning_sloth.ops.fp8.runs_fused_lora_input`), else a product of its own."""
-    if runs_fused_lora_input(x, n, [lora_a]):
-        return quantize_activation_lora(x, [lora_a], codes=False)[2]
-    return x @ lora_a.t()
-
-
-def lora_outputs(
-    x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, fp8_weight
-) -> tuple[Tensor, Tensor]:
-    """``(y, xa)``: ``y = x W^T + scale (x A^T) B^T`` with the B product added into the FP8
-    product's output; ``fp8_weight()`` gives W's e4m3 codes and ``[N, 1]`` scales (called only where
-    x has rows). On the FP8 tensor cores x's codes and ``x A^T`` come from one read of x
-    (:func:`~lightning_sloth.ops.fp8.quantize_activation_lora`); elsewhere ``x A^T`` is a product of
-    its own and :func:`~lightning_sloth.ops.fp8.fp8_product` quantises x (or emulates)."""
-    n = lora_b.shape[0]
-    if runs_fused_lora_input(x, n, [lora_a]):
-        qx, sx, xa = quantize_activation_lora(x, [lora_a])
-        weight, weight_scale = fp8_weight()
-        y = scaled_mm(qx, weight.t(), sx, weight_scale.t(), x.dtype)
-    else:
-        xa = x @ lora_a.t()
-        y = fp8_product(x, *fp8_weight()) if x.shape[0] else x.new_zeros(0, n)
+def lora_outputs(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float, base) -> tuple[Tensor, Tensor]:
+    """``(y, xa)``: ``y = base() + scale (x A^T) B^T`` with the B product added into ``base()``'s
+    output (``base``: the FP8 product ``x W^T``, called only where x has rows)."""
+    xa = x @ lora_a.t()
+    y = base() if x.shape[0] else x.new_zeros(0, lora_b.shape[0])
     if lora_a.shape[0]:
         y.addmm_(xa, lora_b.t(), alpha=scale)
     return y, xa
@@ -204,7 +175,9 @@ def _lora_op(
     """``(y, xa)`` for ``x [M, K]``: ``y = x W^T + scale (x A^T) B^T`` with the B product added
     into the FP8 GEMM's output; ``xa = x A^T`` is kept for the backward. ``overwrite_input``: the
     backward writes x's gradient into x."""
-    return lora_outputs(x, lora_a, lora_b, scale, lambda: (weight_bits.view(E4M3), weight_scale))
+    return lora_outputs(
+        x, lora_a, lora_b, scale, lambda: fp8_product(x, weight_bits.view(E4M3), weight_scale)
+    )
 
 
 @_lora_op.register_fake
@@ -415,22 +388,18 @@ class SharedInputLoraFP8(torch.autograd.Function):
         n = len(scales)
         bits, w_scales, adapters_a, adapters_b = (tensors[i * n : (i + 1) * n] for i in range(4))
         rows = x.reshape(-1, x.shape[-1])
+        # Each x A_i^T on its own (not one product with the stacked A's): the outputs then equal the
+        # separate layers' bit for bit, as FP8's rounding of what follows needs (a last-bit change in
+        # an output can move the next layer's e4m3 codes by a whole step).
+        xa = torch.cat([rows @ a.t() for a in adapters_a], dim=1)
         weights = [b.view(E4M3) for b in bits]
         # x quantised once: for the FP8 GEMMs where they run, else for the emulation (which then
         # computes exactly what fp8_linear_reference does per layer).
         fp8_gemm = rows.shape[0] and all(scaled_mm_applies(rows, w.shape[0]) for w in weights)
-        # Each x A_i^T on its own (not one product with the stacked A's): the outputs then equal the
-        # separate layers' bit for bit, as FP8's rounding of what follows needs (a last-bit change in
-        # an output can move the next layer's e4m3 codes by a whole step). On the FP8 tensor cores
-        # they come with x's codes from one read of x, each as the layer alone gets it.
-        if fp8_gemm and all(runs_fused_lora_input(rows, w.shape[0], adapters_a) for w in weights):
-            qx, sx, xa = quantize_activation_lora(rows, adapters_a)
-        else:
-            xa = torch.cat([rows @ a.t() for a in adapters_a], dim=1)
-            if fp8_gemm:
-                qx, sx = quantize_activation(rows, "e4m3")
-            elif rows.shape[0]:
-                x_dq = dequantize_rows(*quantize_rows(rows, "e4m3"))
+        if fp8_gemm:
+            qx, sx = quantize_activation(rows, "e4m3")
+        elif rows.shape[0]:
+            x_dq = dequantize_rows(*quantize_rows(rows, "e4m3"))
         outputs, start = [], 0
         for w, w_scale, a, b, scale in zip(weights, w_scales, adapters_a, adapters_b, scales):
             if rows.shape[0] == 0:

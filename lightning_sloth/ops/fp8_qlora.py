@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_sloth.ops.fp8 import fp8_from_4bit, fp8_grad_product_4bit
+from lightning_sloth.ops.fp8 import fp8_from_4bit, fp8_grad_product_4bit, fp8_product
 from lightning_sloth.ops.fp8_formats import check_grad_format
 from lightning_sloth.ops.fp8_lora import (
     UnreadSumFP8,
@@ -55,7 +55,7 @@ def _lora_4bit_op(
         lora_a,
         lora_b,
         scale,
-        lambda: fp8_from_4bit(packed, absmax, code, blocksize, shape),
+        lambda: fp8_product(x, *fp8_from_4bit(packed, absmax, code, blocksize, shape)),
     )
 
 

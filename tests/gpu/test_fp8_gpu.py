@@ -277,32 +277,6 @@ def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
         assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
-@pytest.mark.parametrize("width", [53, 4096, 14336])
-def test_quantisation_with_the_adapters_products_on_cuda(width):
-    """``quantize_rows_lora`` (the input of LoRA layers over FP8 bases): codes and scales bit for bit
-    the plain-torch reference's, each ``x A_i^T`` within one bf16 rounding of the float32 product
-    and the same bits alone as in its group, and the same products without the codes."""
-    from lightning_sloth.kernels import fp8 as kernels
-
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x = (torch.randn(517, width, device="cuda", generator=gen) * 3).bfloat16()
-    x[7] = 0
-    adapters = [
-        (torch.randn(r, width, device="cuda", generator=gen) / width**0.5).bfloat16() for r in (16, 16, 8)
-    ]
-    codes, scale, xa = kernels.quantize_rows_lora(x, adapters)
-    ref_codes, ref_scale = quantize_rows(x, "e4m3")
-    assert torch.equal(scale, ref_scale)
-    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
-    exact = torch.cat([x.float() @ a.float().t() for a in adapters], dim=1)
-    torch.testing.assert_close(xa.float(), exact, rtol=2**-7, atol=2**-7 * float(exact.abs().max()))
-    start = 0
-    for a in adapters:
-        assert torch.equal(kernels.quantize_rows_lora(x, [a])[2], xa[:, start : start + a.shape[0]])
-        start += a.shape[0]
-    assert torch.equal(kernels.quantize_rows_lora(x, adapters, None)[2], xa)
-
-
 @pytest.mark.parametrize("grad_format", ["e4m3", "bf16"])
 def test_4bit_storage_with_fp8_compute_matches_the_emulation(grad_format):
     from lightning_sloth.ops.fp8 import fp8_from_4bit, linear_4bit_fp8
