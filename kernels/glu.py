@@ -11,6 +11,8 @@ gate-up projection output.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -109,6 +111,7 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
             to unit stride if it is not.
         up: Same shape and dtype as gate.
         activation: ``"silu"`` or ``"gelu_tanh"``.
+        tile: how the kernel tiles the rows (:data:`LORA_TILE` if None).
 
     Returns:
         Contiguous ``[..., I]`` in gate's dtype.
@@ -196,20 +199,49 @@ def _lora_tile(
 
 
 @triton.jit
+def _lora_tile_fma(
+    XA_T, B_T, rows, cols, n_rows, n_cols, rank, stride_xa_t, stride_b_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # The rank-r product as r outer products of a column of x A^T and a row of B^T, in fp32 FMAs:
+    # no tensor-core tile, so the sum stays in the loads' layout (no shuffle through shared memory).
+    # XA_T is [r, rows] and B_T [r, I], both unit-stride along the tile's rows and columns.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.static_range(RANK_BLOCK):
+        row_mask = (rows < n_rows) & (rows * 0 + k < rank)
+        col_mask = (cols < n_cols) & (cols * 0 + k < rank)
+        xa_k = tl.load(XA_T + k * stride_xa_t + rows, mask=row_mask, other=0.0).to(tl.float32)
+        b_k = tl.load(B_T + k * stride_b_t + cols, mask=col_mask, other=0.0).to(tl.float32)
+        acc += xa_k[:, None] * b_k[None, :]
+    return acc
+
+
+@triton.jit
 def _glu_lora_values(
     GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
     stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
-    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr,
 ):  # fmt: skip
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    lora_g = _lora_tile(
-        XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate, RANK_GATE, IEEE
-    )
-    lora_u = _lora_tile(
-        XA + rank_gate, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up, RANK_UP, IEEE
-    )
+    if FMA:  # XA is x A^T transposed, [r_g + r_u, rows]; B_GATE/B_UP are B^T, [r, I]
+        lora_g = _lora_tile_fma(
+            XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate,
+            BLOCK_M, BLOCK_N, RANK_GATE,
+        )  # fmt: skip
+        lora_u = _lora_tile_fma(
+            XA + rank_gate * stride_xa, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up,
+            BLOCK_M, BLOCK_N, RANK_UP,
+        )  # fmt: skip
+    else:
+        lora_g = _lora_tile(
+            XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate, RANK_GATE, IEEE
+        )
+        lora_u = _lora_tile(
+            XA + rank_gate, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up, RANK_UP, IEEE
+        )
     return g + lora_g * scale_gate, u + lora_u * scale_up, mask
 
 
@@ -218,14 +250,14 @@ def _glu_lora_forward_kernel(
     GATE, UP, OUT, XA, B_GATE, B_UP, n_rows, n_cols, rank_gate, rank_up,
     stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     g, u, mask = _glu_lora_values(
         GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
         stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
-        RANK_GATE, RANK_UP, IEEE,
+        BLOCK_M, BLOCK_N, RANK_GATE, RANK_UP, IEEE, FMA,
     )  # fmt: skip
     act, _ = _activation_and_derivative(g, ACTIVATION)
     tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (act * u).to(OUT.dtype.element_ty), mask=mask)
@@ -237,7 +269,7 @@ def _glu_lora_backward_kernel(
     stride_grad, stride_gate, stride_up, stride_grad_gate, stride_grad_up, stride_xa, stride_b_gate,
     stride_b_up, scale_gate, scale_up,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr,
 ):  # fmt: skip
     # Each tile is read before it is written and by the same program: GRAD_GATE/GRAD_UP may be
     # GATE/UP themselves (the in-place backward).
@@ -246,7 +278,7 @@ def _glu_lora_backward_kernel(
     g, u, mask = _glu_lora_values(
         GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
         stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
-        RANK_GATE, RANK_UP, IEEE,
+        BLOCK_M, BLOCK_N, RANK_GATE, RANK_UP, IEEE, FMA,
     )  # fmt: skip
     dy = tl.load(GRAD_OUT + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, dact = _activation_and_derivative(g, ACTIVATION)
@@ -262,23 +294,41 @@ def _glu_lora_backward_kernel(
     )
 
 
-_LORA_BLOCK_M = 64
-_LORA_BLOCK_N = 64
+class LoraTile(NamedTuple):
+    """How the two LoRA kernels tile ``[rows, I]``: ``block_m x block_n`` values per program,
+    ``num_warps`` warps, and the rank-r part as a tensor-core dot (``fma=False``) or as fp32 FMAs."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    fma: bool = False
 
 
-def _lora_launch(n_rows: int, n_cols: int, xa, b_gate, b_up, activation: str) -> tuple[tuple, dict]:
-    """The grid and the compile-time constants of the two LoRA kernels."""
-    grid = (triton.cdiv(n_rows, _LORA_BLOCK_M), triton.cdiv(n_cols, _LORA_BLOCK_N))
+LORA_TILE = LoraTile()
+"""The tile the kernels use unless a caller (``benchmarks/glu_lora_tiles_bench.py``) passes one."""
+
+
+def _lora_launch(n_rows: int, n_cols: int, xa, b_gate, b_up, activation: str, tile: LoraTile) -> tuple:
+    """``(grid, constants, xa, b_gate, b_up)`` of the two LoRA kernels: with ``tile.fma`` the
+    adapters' operands go transposed (``[r, rows]``, ``[r, I]``), unit-stride along the tile."""
+    if tile.block_m < 16 and not tile.fma:
+        raise ValueError(f"a tensor-core tile needs block_m >= 16, got {tile}")
+    grid = (triton.cdiv(n_rows, tile.block_m), triton.cdiv(n_cols, tile.block_n))
+    rank_gate, rank_up = b_gate.shape[1], b_up.shape[1]
+    if tile.fma:
+        xa, b_gate, b_up = xa.t().contiguous(), b_gate.t().contiguous(), b_up.t().contiguous()
     constants = dict(
         ACTIVATION=ACTIVATIONS[activation],
-        BLOCK_M=_LORA_BLOCK_M,
-        BLOCK_N=_LORA_BLOCK_N,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         # tl.dot's smallest inner dimension is 16
-        RANK_GATE=max(16, triton.next_power_of_2(b_gate.shape[1])),
-        RANK_UP=max(16, triton.next_power_of_2(b_up.shape[1])),
+        RANK_GATE=max(16, triton.next_power_of_2(rank_gate)),
+        RANK_UP=max(16, triton.next_power_of_2(rank_up)),
         IEEE=xa.dtype == torch.float32,
+        FMA=tile.fma,
+        num_warps=tile.num_warps,
     )
-    return grid, constants
+    return grid, constants, xa, b_gate, b_up
 
 
 def glu_lora_forward(
@@ -290,6 +340,7 @@ def glu_lora_forward(
     scale_gate: float,
     scale_up: float,
     activation: str,
+    tile: LoraTile | None = None,
 ) -> torch.Tensor:
     """``act(gate + s_g xa_g B_g^T) * (up + s_u xa_u B_u^T)``, computed in fp32 and rounded once.
 
@@ -299,6 +350,7 @@ def glu_lora_forward(
         b_gate, b_up: ``[I, r_g]`` and ``[I, r_u]``, in xa's dtype.
         scale_gate, scale_up: the adapters' scales.
         activation: ``"silu"`` or ``"gelu_tanh"``.
+        tile: how the kernel tiles the rows (:data:`LORA_TILE` if None).
 
     Returns:
         Contiguous ``[..., I]`` in gate's dtype.
@@ -309,9 +361,12 @@ def glu_lora_forward(
     n_rows, n_cols = gate_rows.shape
     if gate_rows.numel() == 0:
         return out
-    grid, constants = _lora_launch(n_rows, n_cols, xa, b_gate, b_up, activation)
+    ranks = b_gate.shape[1], b_up.shape[1]
+    grid, constants, xa, b_gate, b_up = _lora_launch(
+        n_rows, n_cols, xa, b_gate, b_up, activation, tile or LORA_TILE
+    )
     launchable(_glu_lora_forward_kernel)[grid](
-        gate_rows, up_rows, out, xa, b_gate, b_up, n_rows, n_cols, b_gate.shape[1], b_up.shape[1],
+        gate_rows, up_rows, out, xa, b_gate, b_up, n_rows, n_cols, *ranks,
         gate_rows.stride(0), up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
         float(scale_gate), float(scale_up),
         **constants,
@@ -330,12 +385,14 @@ def glu_lora_backward(
     scale_up: float,
     activation: str,
     in_place: bool = False,
+    tile: LoraTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`glu_lora_forward` with respect to the full gate and up (which are also the
     base products' gradients), recomputing the adapters' parts and the activation.
 
     ``in_place``: written into gate's and up's memory where both can be viewed as rows without a
     copy (then gate and up are returned, holding the gradients); otherwise new contiguous tensors.
+    ``tile``: as :func:`glu_lora_forward`'s.
     """
     grad_rows, gate_rows, up_rows = rows_view(grad_out), rows_view(gate), rows_view(up)
     b_gate, b_up = rows_view(b_gate), rows_view(b_up)
@@ -343,10 +400,13 @@ def glu_lora_backward(
     n_rows, n_cols = gate_rows.shape
     if gate_rows.numel() == 0:
         return grad_gate, grad_up
-    grid, constants = _lora_launch(n_rows, n_cols, xa, b_gate, b_up, activation)
+    ranks = b_gate.shape[1], b_up.shape[1]
+    grid, constants, xa, b_gate, b_up = _lora_launch(
+        n_rows, n_cols, xa, b_gate, b_up, activation, tile or LORA_TILE
+    )
     launchable(_glu_lora_backward_kernel)[grid](
         grad_rows, gate_rows, up_rows, grad_gate_rows, grad_up_rows, xa, b_gate, b_up,
-        n_rows, n_cols, b_gate.shape[1], b_up.shape[1],
+        n_rows, n_cols, *ranks,
         grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate_rows.stride(0),
         grad_up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
         float(scale_gate), float(scale_up),

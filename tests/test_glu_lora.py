@@ -200,6 +200,58 @@ def test_kernels_interpreted(dtype, name, shape, ranks):
     assert grad_gate is gate and gate.data_ptr() == gate_ptr
 
 
+@interpreted_only
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize(
+    ("tile", "shape", "ranks"),
+    [
+        ((16, 32, 4, False), (70, 150), (16, 16)),
+        ((4, 64, 2, True), (3, 5, 123), (4, 6)),
+        ((16, 128, 4, True), (70, 150), (16, 16)),
+    ],
+)
+def test_every_tile_computes_the_same_interpreted(name, tile, shape, ranks):
+    """Other tilings of the LoRA kernels (wider rows, the rank-r part as FMAs) give the reference's
+    values: the tile is the benchmark's to choose, not a change in what is computed."""
+    from lightning_sloth.kernels.glu import LoraTile, glu_lora_backward, glu_lora_forward
+
+    tile = LoraTile(*tile)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5}
+    gate, up, xa, b_gate, b_up = _inputs(shape, *ranks, dtype=torch.float32)
+    args = (xa, b_gate, b_up, 0.5, 2.0, OPS[name][2])
+    out = glu_lora_forward(gate, up, *args, tile=tile)
+    torch.testing.assert_close(out, glu_lora_reference(gate, up, *args), **tolerance)
+    grad_out = torch.randn(shape)
+    expected = glu_lora_backward_reference(grad_out, gate, up, *args)
+    torch.testing.assert_close(glu_lora_backward(grad_out, gate, up, *args, tile=tile), expected, **tolerance)
+    grads = glu_lora_backward(grad_out, gate, up, *args, in_place=True, tile=tile)
+    torch.testing.assert_close(grads, expected, **tolerance)
+    assert grads[0] is gate
+
+
+@interpreted_only
+def test_the_tiles_benchmark_runs_interpreted():
+    """benchmarks/glu_lora_tiles_bench.py walks its code at a toy shape on the CPU: every tile's
+    values checked against the reference, a time and a bandwidth for each."""
+    from _scripts import benchmark_script
+
+    bench = benchmark_script("glu_lora_tiles_bench")
+    tiles = [bench.LORA_TILE, bench.LoraTile(4, 64, 2, True)]
+    row = bench.run_shape("toy", 40, 96, 16, tiles=tiles, device="cpu")
+    assert [entry["tile"]["fma"] for entry in row["tiles"]] == [False, True]
+    for entry in row["tiles"]:
+        assert "error" not in entry, entry
+        assert max(entry["rel_err"].values()) < 1e-5 and entry["fwd_ms"] > 0 and entry["bwd_tb_per_s"] > 0
+
+
+def test_tensor_core_tiles_need_16_rows():
+    from lightning_sloth.kernels.glu import LoraTile, glu_lora_forward
+
+    gate, up, xa, b_gate, b_up = _inputs((8, 32), 4, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="block_m >= 16"):
+        glu_lora_forward(gate, up, xa, b_gate, b_up, 1.0, 1.0, "silu", tile=LoraTile(8, 64, 4, False))
+
+
 @launcher_only
 def test_kernels_under_triton_interpreter():
     result = run_interpreted_cases(__file__)

@@ -3,16 +3,21 @@
 
 import pytest
 import torch
-from lightning_sloth.kernels.glu import glu_lora_backward, glu_lora_forward
+from lightning_sloth.kernels.glu import LORA_TILE, LoraTile, glu_lora_backward, glu_lora_forward
 
 from lightning_sloth.ops.glu_lora import glu_lora_backward_reference, glu_lora_reference
 
 pytestmark = pytest.mark.gpu
 
 
+# The default tile, then the others benchmarks/glu_lora_tiles_bench.py compares (wide rows, FMAs).
+TILES = [LORA_TILE, LoraTile(16, 256, 8, False), LoraTile(2, 1024, 4, True), LoraTile(8, 512, 8, True)]
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize(("rows", "width", "ranks"), [(4096, 14336, (16, 16)), (333, 1000, (8, 24))])
-def test_the_kernels_match_the_float32_reference_in_bf16(activation, rows, width, ranks):
+def test_the_kernels_match_the_float32_reference_in_bf16(activation, rows, width, ranks, tile):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape, scale=1.0):
@@ -25,7 +30,7 @@ def test_the_kernels_match_the_float32_reference_in_bf16(activation, rows, width
     expected = glu_lora_reference(
         gate.float(), up.float(), xa.float(), b_gate.float(), b_up.float(), *args[3:]
     )
-    out = glu_lora_forward(gate, up, *args)
+    out = glu_lora_forward(gate, up, *args, tile=tile)
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1e-2)
 
     grad = randn(rows, width)
@@ -33,7 +38,7 @@ def test_the_kernels_match_the_float32_reference_in_bf16(activation, rows, width
         grad.float(), gate.float(), up.float(), xa.float(), b_gate.float(), b_up.float(), *args[3:]
     )
     ptr = gate.data_ptr()
-    got = glu_lora_backward(grad, gate, up, *args, in_place=True)
+    got = glu_lora_backward(grad, gate, up, *args, in_place=True, tile=tile)
     assert got[0].data_ptr() == ptr
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w, rtol=1.6e-2, atol=1e-2)
