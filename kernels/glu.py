@@ -11,6 +11,7 @@ gate-up projection output.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -304,8 +305,23 @@ class LoraTile(NamedTuple):
     fma: bool = False
 
 
-LORA_TILE = LoraTile()
-"""The tile the kernels use unless a caller (``benchmarks/glu_lora_tiles_bench.py``) passes one."""
+def tile_from_text(text: str) -> LoraTile:
+    """``"BMxBNxWARPS"`` or ``"BMxBNxWARPSxfma"`` (e.g. ``"16x256x8"``, ``"2x1024x4xfma"``) as a tile."""
+    parts = text.strip().lower().split("x")
+    fma = parts[-1] == "fma"
+    numbers = parts[:-1] if fma else parts
+    if len(numbers) != 3 or not all(p.isdigit() and int(p) > 0 for p in numbers):
+        raise ValueError(f"a LoRA activation tile is BMxBNxWARPS or BMxBNxWARPSxfma, got {text!r}")
+    block_m, block_n, warps = map(int, numbers)
+    if any(v & (v - 1) for v in (block_m, block_n, warps)):
+        raise ValueError(f"a LoRA activation tile takes powers of two, got {text!r}")
+    return LoraTile(block_m, block_n, warps, fma)
+
+
+LORA_TILE = tile_from_text(os.environ.get("LIGHTNING_SLOTH_GLU_LORA_TILE", "64x64x4"))
+"""The tile the kernels use unless a caller (``benchmarks/glu_lora_tiles_bench.py``) passes one:
+``LIGHTNING_SLOTH_GLU_LORA_TILE`` from the environment (:func:`tile_from_text`), else 64 x 64 values
+per program, 4 warps, the rank-r parts as a tensor-core dot."""
 
 
 def _lora_launch(n_rows: int, n_cols: int, xa, b_gate, b_up, activation: str, tile: LoraTile) -> tuple:

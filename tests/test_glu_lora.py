@@ -244,6 +244,20 @@ def test_the_tiles_benchmark_runs_interpreted():
         assert max(entry["rel_err"].values()) < 1e-5 and entry["fwd_ms"] > 0 and entry["bwd_tb_per_s"] > 0
 
 
+def test_a_tile_from_text():
+    from lightning_sloth.kernels.glu import LoraTile, tile_from_text
+
+    assert tile_from_text("64x64x4") == LoraTile()
+    assert tile_from_text(" 2x1024x4xFMA ") == LoraTile(2, 1024, 4, True)
+    for bad, match in (
+        ("16x256", "BMxBNxWARPS"),
+        ("16x256x8xdot", "BMxBNxWARPS"),
+        ("24x256x8", "powers of two"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tile_from_text(bad)
+
+
 def test_tensor_core_tiles_need_16_rows():
     from lightning_sloth.kernels.glu import LoraTile, glu_lora_forward
 
