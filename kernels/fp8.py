@@ -25,6 +25,8 @@ torch's strided copy of one-byte elements moved the 8B shape's codes at about 0.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,8 +34,19 @@ from lightning_sloth.kernels._utils import launchable
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-ONE_PASS_MAX_COLS = 4096
-"""The widest row read once and kept in registers; wider rows are walked twice in 4,096-wide chunks.
+
+def _one_pass_from_environment() -> int:
+    text = os.environ.get("LIGHTNING_SLOTH_FP8_ONE_PASS_COLS", "4096").strip()
+    if not text.isdigit() or int(text) < 16:
+        raise ValueError(
+            f"LIGHTNING_SLOTH_FP8_ONE_PASS_COLS must be a whole number of columns >= 16, got {text!r}"
+        )
+    return int(text)
+
+
+ONE_PASS_MAX_COLS = _one_pass_from_environment()
+"""The widest row read once and kept in registers (``LIGHTNING_SLOTH_FP8_ONE_PASS_COLS`` from the
+environment, else 4,096); wider rows are walked twice in 4,096-wide chunks.
 Reading rows of up to 16,384 once (up to 32 warps) left the 5,760-wide GPT-OSS-20B expert gradient's
 quantisation where it was on the H200 (0.640 against 0.653 ms, ``moe_fp8_gemm_16k_h200.json``), so
 the bound stays where it was measured to gain."""

@@ -60,6 +60,31 @@ def test_interpreted_byte_transpose_equals_torchs(shape, dtype):
     assert torch.equal(out.view(torch.uint8), x.t().contiguous().view(torch.uint8))
 
 
+@interpreted_only
+def test_interpreted_the_quantisation_benchmark_runs():
+    """benchmarks/fp8_quantize_bench.py walks its code at toy widths on the CPU: rows read once and
+    rows walked twice give the same codes and scales, and the module's bound is restored."""
+    from _scripts import benchmark_script
+    from lightning_sloth.kernels import fp8 as fp8_kernels
+
+    bench = benchmark_script("fp8_quantize_bench")
+    before = fp8_kernels.ONE_PASS_MAX_COLS
+    rows = bench.run(8, widths=(40, 300), one_pass=(64, 512), device="cpu")
+    assert len(rows) == 2 * 2 * 2 and before == fp8_kernels.ONE_PASS_MAX_COLS
+    assert all(row["same_bits"] and row["ms"] > 0 for row in rows)
+    assert {(row["width"], row["one_pass"]) for row in rows} == {(40, True), (300, False), (300, True)}
+
+
+def test_the_one_pass_bound_from_the_environment(monkeypatch):
+    from lightning_sloth.kernels import fp8 as fp8_kernels
+
+    monkeypatch.setenv("LIGHTNING_SLOTH_FP8_ONE_PASS_COLS", "16384")
+    assert fp8_kernels._one_pass_from_environment() == 16384
+    monkeypatch.setenv("LIGHTNING_SLOTH_FP8_ONE_PASS_COLS", "wide")
+    with pytest.raises(ValueError, match="LIGHTNING_SLOTH_FP8_ONE_PASS_COLS"):
+        fp8_kernels._one_pass_from_environment()
+
+
 def test_byte_transpose_refuses_wider_elements():
     from lightning_sloth.kernels import fp8
 
@@ -70,6 +95,6 @@ def test_byte_transpose_refuses_wider_elements():
 @launcher_only
 def test_kernels_under_triton_interpreter():
     result = run_interpreted_cases(__file__)
-    assert result.returncode == 0 and "13 passed" in result.stdout, (
+    assert result.returncode == 0 and "14 passed" in result.stdout, (
         result.stdout[-3000:] + result.stderr[-3000:]
     )
