@@ -261,10 +261,13 @@ def test_the_down_projection_writes_its_inputs_fp8_gradient_in_place(grad_format
             assert peaks[0] - peaks[1] >= leaf.numel() * 2 * 0.95, (name, peaks)
 
 
+@pytest.mark.parametrize("one_pass", [4096, 16384])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("width", [53, 4096, 5760, 14336, 20000])
-def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width):
+def test_quantisation_kernel_equals_the_reference_bit_for_bit(fmt, width, one_pass, monkeypatch):
     from lightning_sloth.kernels import fp8 as kernels
+
+    monkeypatch.setattr(kernels, "ONE_PASS_MAX_COLS", one_pass)  # rows read once up to this width
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(517, width, device="cuda", generator=gen) * 3).bfloat16()
