@@ -8,6 +8,9 @@ tensor-core dot or as fp32 FMAs. Every tile's outputs are checked against the fl
 Times are medians of ``triton.testing.do_bench`` (the L2 cache flushed before each call)::
 
     python benchmarks/glu_lora_tiles_bench.py --out glu_lora_tiles_h100.json  # gpu
+    python benchmarks/glu_lora_tiles_bench.py --best glu_lora_tiles_h100.json  # the fastest, spelled for the env
+
+``LIGHTNING_SLOTH_GLU_LORA_TILE=$(... --best FILE)`` then runs a whole step with that tile.
 """
 
 from __future__ import annotations
@@ -124,12 +127,29 @@ def run_shape(name: str, rows: int, cols: int, rank: int, tiles=TILES, device: s
     return row
 
 
+def best_tile(result: dict, shape: str = "llama_3_1_8b", max_rel_err: float = 2e-2) -> str:
+    """The fastest tile of ``shape`` whose values are within ``max_rel_err`` of the reference, as
+    ``LIGHTNING_SLOTH_GLU_LORA_TILE`` spells it. A step runs the forward twice (the layer's forward
+    and its recompute) and the backward once, so that is the time compared."""
+    row = next(r for r in result["rows"] if r["shape"] == shape)
+    good = [t for t in row["tiles"] if "error" not in t and max(t["rel_err"].values()) <= max_rel_err]
+    if not good:
+        raise ValueError(f"no tile of {shape} ran within {max_rel_err} of the reference")
+    tile = min(good, key=lambda t: 2 * t["fwd_ms"] + t["bwd_ms"])["tile"]
+    return f"{tile['block_m']}x{tile['block_n']}x{tile['num_warps']}" + ("xfma" if tile["fma"] else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="glu_lora_tiles.json")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--best", metavar="JSON", help="print the fastest tile of a results file and exit")
     args = parser.parse_args()
+    if args.best:
+        with open(args.best) as f:
+            print(best_tile(json.load(f)))
+        return
     rows = [run_shape(name, *SHAPES[name], args.rank) for name in args.shapes.split(",")]
     with open(args.out, "w") as f:
         json.dump(

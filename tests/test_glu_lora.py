@@ -242,6 +242,14 @@ def test_the_tiles_benchmark_runs_interpreted():
     for entry in row["tiles"]:
         assert "error" not in entry, entry
         assert max(entry["rel_err"].values()) < 1e-5 and entry["fwd_ms"] > 0 and entry["bwd_tb_per_s"] > 0
+    # The pick weighs a step's two forwards and one backward, and passes over a tile off the reference.
+    row["tiles"][0].update(fwd_ms=1.0, bwd_ms=1.0)
+    row["tiles"][1].update(fwd_ms=0.9, bwd_ms=1.3)
+    assert bench.best_tile({"rows": [row]}, "toy") == "64x64x4"
+    row["tiles"][1].update(bwd_ms=1.1)
+    assert bench.best_tile({"rows": [row]}, "toy") == "4x64x2xfma"
+    row["tiles"][1]["rel_err"]["out"] = 0.5
+    assert bench.best_tile({"rows": [row]}, "toy") == "64x64x4"
 
 
 def test_a_tile_from_text():

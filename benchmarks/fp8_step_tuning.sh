@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The FP8 step's kernel settings on one GPU, from the repository root after `pip install -e .`:
+# the LoRA activation's tiles and the quantisation's row walk timed alone, the GPU tests of the
+# kernels they set, then the 8B step: bf16 and FP8 bases as they are, FP8 with the fastest tile,
+# and FP8 with that tile and rows read once. Results (JSON, logs) go to $OUT.
+#   OUT=/path bash benchmarks/fp8_step_tuning.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/benchmarks/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=(scenario.workload.warmup_steps="${WARMUP:-3}" scenario.workload.timed_steps="${TIMED:-8}")
+step() {  # tag, then systems; the environment of the call sets the kernels' settings
+    python -m lightning_sloth.bench scenario=llama_3_1_8b "systems.names=[$2]" "${steps[@]}" \
+        out_dir="$OUT" tag="$1" 2>&1 | tee "$OUT/bench_$1.log" | tail -6
+}
+
+python benchmarks/glu_lora_tiles_bench.py --shapes llama_3_1_8b --out "$OUT/glu_lora_tiles.json" \
+    | tee "$OUT/glu_lora_tiles.log"
+python benchmarks/fp8_quantize_bench.py --out "$OUT/fp8_quantize.json" | tee "$OUT/fp8_quantize.log"
+tile=$(python benchmarks/glu_lora_tiles_bench.py --best "$OUT/glu_lora_tiles.json") || exit 1
+echo "fastest LoRA activation tile: $tile"
+python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_glu_lora_gpu.py tests/gpu/test_fp8_gpu.py \
+    -k "kernels_match or quantisation_kernel" 2>&1 | tee "$OUT/gpu_tests_fp8_tuning.log" | tail -3
+
+step tuning_base sloth_kernels,sloth_fp8
+LIGHTNING_SLOTH_GLU_LORA_TILE=$tile step tuning_tile sloth_fp8
+LIGHTNING_SLOTH_GLU_LORA_TILE=$tile LIGHTNING_SLOTH_FP8_ONE_PASS_COLS=16384 step tuning_tile_one_pass sloth_fp8
