@@ -112,7 +112,6 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
             to unit stride if it is not.
         up: Same shape and dtype as gate.
         activation: ``"silu"`` or ``"gelu_tanh"``.
-        tile: how the kernel tiles the rows (:data:`LORA_TILE` if None).
 
     Returns:
         Contiguous ``[..., I]`` in gate's dtype.
