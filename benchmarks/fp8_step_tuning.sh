@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The FP8 step's kernel settings on one GPU, from the repository root after `pip install -e .`:
 # the LoRA activation's tiles and the quantisation's row walk timed alone, the GPU tests of the
-# kernels they set, then the 8B step: bf16 and FP8 bases as they are, FP8 with the fastest tile,
-# and FP8 with that tile and rows read once. Results (JSON, logs) go to $OUT.
+# kernels they set, then the 8B step: bf16 and FP8 bases as they are, and FP8 with the fastest tile
+# (and rows read once where that was faster alone). Results (JSON, logs) go to $OUT.
 #   OUT=/path bash benchmarks/fp8_step_tuning.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/benchmarks/out}
@@ -22,6 +22,8 @@ echo "fastest LoRA activation tile: $tile"
 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_glu_lora_gpu.py tests/gpu/test_fp8_gpu.py \
     -k "kernels_match or quantisation_kernel" 2>&1 | tee "$OUT/gpu_tests_fp8_tuning.log" | tail -3
 
+one_pass=$(python benchmarks/fp8_quantize_bench.py --best "$OUT/fp8_quantize.json") || exit 1
+echo "rows read once up to: $one_pass columns"
+
 step tuning_base sloth_kernels,sloth_fp8
-LIGHTNING_SLOTH_GLU_LORA_TILE=$tile step tuning_tile sloth_fp8
-LIGHTNING_SLOTH_GLU_LORA_TILE=$tile LIGHTNING_SLOTH_FP8_ONE_PASS_COLS=16384 step tuning_tile_one_pass sloth_fp8
+LIGHTNING_SLOTH_GLU_LORA_TILE=$tile LIGHTNING_SLOTH_FP8_ONE_PASS_COLS=$one_pass step tuning_tuned sloth_fp8

@@ -73,6 +73,12 @@ def test_interpreted_the_quantisation_benchmark_runs():
     assert len(rows) == 2 * 2 * 2 and before == fp8_kernels.ONE_PASS_MAX_COLS
     assert all(row["same_bits"] and row["ms"] > 0 for row in rows)
     assert {(row["width"], row["one_pass"]) for row in rows} == {(40, True), (300, False), (300, True)}
+    for row in rows:  # the pick: least time over the widths with column scales; ties keep the default
+        row["ms"] = {64: 2.0, 512: 1.0}[row["one_pass_max_cols"]]
+    assert bench.best_one_pass(rows) == 512
+    for row in rows:
+        row["ms"] = 1.0
+    assert bench.best_one_pass(rows) == 64
 
 
 def test_the_one_pass_bound_from_the_environment(monkeypatch):
