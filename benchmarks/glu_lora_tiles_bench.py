@@ -36,9 +36,9 @@ from lightning_sloth.ops.glu_lora import glu_lora_backward_reference, glu_lora_r
 SHAPES = {"llama_3_1_8b": (16384, 14336), "llama_3_2_1b": (16384, 8192)}
 TILES = [
     LORA_TILE,
+    LoraTile(64, 64, 4, False),
     LoraTile(32, 128, 4, False),
     LoraTile(16, 256, 4, False),
-    LoraTile(16, 256, 8, False),
     LoraTile(32, 256, 8, False),
     LoraTile(16, 512, 8, False),
     LoraTile(1, 1024, 4, True),

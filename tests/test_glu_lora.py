@@ -206,6 +206,7 @@ def test_kernels_interpreted(dtype, name, shape, ranks):
     ("tile", "shape", "ranks"),
     [
         ((16, 32, 4, False), (70, 150), (16, 16)),
+        ((64, 64, 4, False), (70, 150), (16, 16)),
         ((4, 64, 2, True), (3, 5, 123), (4, 6)),
         ((16, 128, 4, True), (70, 150), (16, 16)),
     ],
@@ -245,17 +246,18 @@ def test_the_tiles_benchmark_runs_interpreted():
     # The pick weighs a step's two forwards and one backward, and passes over a tile off the reference.
     row["tiles"][0].update(fwd_ms=1.0, bwd_ms=1.0)
     row["tiles"][1].update(fwd_ms=0.9, bwd_ms=1.3)
-    assert bench.best_tile({"rows": [row]}, "toy") == "64x64x4"
+    assert bench.best_tile({"rows": [row]}, "toy") == "16x256x8"
     row["tiles"][1].update(bwd_ms=1.1)
     assert bench.best_tile({"rows": [row]}, "toy") == "4x64x2xfma"
     row["tiles"][1]["rel_err"]["out"] = 0.5
-    assert bench.best_tile({"rows": [row]}, "toy") == "64x64x4"
+    assert bench.best_tile({"rows": [row]}, "toy") == "16x256x8"
 
 
 def test_a_tile_from_text():
     from lightning_sloth.kernels.glu import LoraTile, tile_from_text
 
-    assert tile_from_text("64x64x4") == LoraTile()
+    assert tile_from_text("16x256x8") == LoraTile()
+    assert tile_from_text("64x64x4") == LoraTile(64, 64, 4, False)
     assert tile_from_text(" 2x1024x4xFMA ") == LoraTile(2, 1024, 4, True)
     for bad, match in (
         ("16x256", "BMxBNxWARPS"),

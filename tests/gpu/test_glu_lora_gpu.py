@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 # The default tile, then the others benchmarks/glu_lora_tiles_bench.py compares (wide rows, FMAs).
-TILES = [LORA_TILE, LoraTile(16, 256, 8, False), LoraTile(2, 1024, 4, True), LoraTile(8, 512, 8, True)]
+TILES = [LORA_TILE, LoraTile(64, 64, 4, False), LoraTile(2, 1024, 4, True), LoraTile(8, 512, 8, True)]
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
