@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The FP8 step's kernel settings on one GPU, from the repository root after `pip install -e .`:
 # the LoRA activation's tiles and the quantisation's row walk timed alone, the GPU tests of the
-# kernels they set, then the 8B step: bf16 and FP8 bases as they are, and FP8 with the fastest tile
+# kernels they set, then the 8B step: bf16 and FP8 bases as they are, FP8 with the old 64x64x4 tile, and FP8 with the fastest tile
 # (and rows read once where that was faster alone). Results (JSON, logs) go to $OUT.
 #   OUT=/path bash benchmarks/fp8_step_tuning.sh
 set -uo pipefail
@@ -26,4 +26,10 @@ one_pass=$(python benchmarks/fp8_quantize_bench.py --best "$OUT/fp8_quantize.jso
 echo "rows read once up to: $one_pass columns"
 
 step tuning_base sloth_kernels,sloth_fp8
-LIGHTNING_SLOTH_GLU_LORA_TILE=$tile LIGHTNING_SLOTH_FP8_ONE_PASS_COLS=$one_pass step tuning_tuned sloth_fp8
+# The step with the tile that was the default before 16x256x8, and with the fastest settings unless
+# they are the defaults already (then tuning_base ran them).
+LIGHTNING_SLOTH_GLU_LORA_TILE=64x64x4 step tuning_old_tile sloth_fp8
+default=$(python -c "from lightning_sloth.kernels.glu import LORA_TILE as t; print('x'.join(map(str, t[:3])) + ('xfma' if t.fma else ''))")
+if [ "$tile" != "$default" ] || [ "$one_pass" != 4096 ]; then
+    LIGHTNING_SLOTH_GLU_LORA_TILE=$tile LIGHTNING_SLOTH_FP8_ONE_PASS_COLS=$one_pass step tuning_tuned sloth_fp8
+fi
