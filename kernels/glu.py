@@ -199,49 +199,21 @@ def _lora_tile(
 
 
 @triton.jit
-def _lora_tile_fma(
-    XA_T, B_T, rows, cols, n_rows, n_cols, rank, stride_xa_t, stride_b_t,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr,
-):  # fmt: skip
-    # The rank-r product as r outer products of a column of x A^T and a row of B^T, in fp32 FMAs:
-    # no tensor-core tile, so the sum stays in the loads' layout (no shuffle through shared memory).
-    # XA_T is [r, rows] and B_T [r, I], both unit-stride along the tile's rows and columns.
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.static_range(RANK_BLOCK):
-        row_mask = (rows < n_rows) & (rows * 0 + k < rank)
-        col_mask = (cols < n_cols) & (cols * 0 + k < rank)
-        xa_k = tl.load(XA_T + k * stride_xa_t + rows, mask=row_mask, other=0.0).to(tl.float32)
-        b_k = tl.load(B_T + k * stride_b_t + cols, mask=col_mask, other=0.0).to(tl.float32)
-        acc += xa_k[:, None] * b_k[None, :]
-    return acc
-
-
-@triton.jit
 def _glu_lora_values(
     GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
     stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if FMA:  # XA is x A^T transposed, [r_g + r_u, rows]; B_GATE/B_UP are B^T, [r, I]
-        lora_g = _lora_tile_fma(
-            XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate,
-            BLOCK_M, BLOCK_N, RANK_GATE,
-        )  # fmt: skip
-        lora_u = _lora_tile_fma(
-            XA + rank_gate * stride_xa, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up,
-            BLOCK_M, BLOCK_N, RANK_UP,
-        )  # fmt: skip
-    else:
-        lora_g = _lora_tile(
-            XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate, RANK_GATE, IEEE
-        )
-        lora_u = _lora_tile(
-            XA + rank_gate, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up, RANK_UP, IEEE
-        )
+    lora_g = _lora_tile(
+        XA, B_GATE, rows, cols, n_rows, n_cols, rank_gate, stride_xa, stride_b_gate, RANK_GATE, IEEE
+    )
+    lora_u = _lora_tile(
+        XA + rank_gate, B_UP, rows, cols, n_rows, n_cols, rank_up, stride_xa, stride_b_up, RANK_UP, IEEE
+    )
     return g + lora_g * scale_gate, u + lora_u * scale_up, mask
 
 
@@ -250,14 +222,14 @@ def _glu_lora_forward_kernel(
     GATE, UP, OUT, XA, B_GATE, B_UP, n_rows, n_cols, rank_gate, rank_up,
     stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     g, u, mask = _glu_lora_values(
         GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
         stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
-        BLOCK_M, BLOCK_N, RANK_GATE, RANK_UP, IEEE, FMA,
+        BLOCK_M, BLOCK_N, RANK_GATE, RANK_UP, IEEE,
     )  # fmt: skip
     act, _ = _activation_and_derivative(g, ACTIVATION)
     tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (act * u).to(OUT.dtype.element_ty), mask=mask)
@@ -269,7 +241,7 @@ def _glu_lora_backward_kernel(
     stride_grad, stride_gate, stride_up, stride_grad_gate, stride_grad_up, stride_xa, stride_b_gate,
     stride_b_up, scale_gate, scale_up,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr,
+    RANK_GATE: tl.constexpr, RANK_UP: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     # Each tile is read before it is written and by the same program: GRAD_GATE/GRAD_UP may be
     # GATE/UP themselves (the in-place backward).
@@ -278,7 +250,7 @@ def _glu_lora_backward_kernel(
     g, u, mask = _glu_lora_values(
         GATE, UP, XA, B_GATE, B_UP, rows, cols, n_rows, n_cols, rank_gate, rank_up,
         stride_gate, stride_up, stride_xa, stride_b_gate, stride_b_up, scale_gate, scale_up,
-        BLOCK_M, BLOCK_N, RANK_GATE, RANK_UP, IEEE, FMA,
+        BLOCK_M, BLOCK_N, RANK_GATE, RANK_UP, IEEE,
     )  # fmt: skip
     dy = tl.load(GRAD_OUT + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, dact = _activation_and_derivative(g, ACTIVATION)
@@ -295,26 +267,25 @@ def _glu_lora_backward_kernel(
 
 
 class LoraTile(NamedTuple):
-    """How the two LoRA kernels tile ``[rows, I]``: ``block_m x block_n`` values per program,
-    ``num_warps`` warps, and the rank-r part as a tensor-core dot (``fma=False``) or as fp32 FMAs."""
+    """How the two LoRA kernels tile ``[rows, I]``: ``block_m x block_n`` values per program and
+    ``num_warps`` warps; the rank-r parts are a tensor-core dot (``block_m`` at least 16)."""
 
     block_m: int = 16
     block_n: int = 256
     num_warps: int = 8
-    fma: bool = False
 
 
 def tile_from_text(text: str) -> LoraTile:
-    """``"BMxBNxWARPS"`` or ``"BMxBNxWARPSxfma"`` (e.g. ``"16x256x8"``, ``"2x1024x4xfma"``) as a tile."""
-    parts = text.strip().lower().split("x")
-    fma = parts[-1] == "fma"
-    numbers = parts[:-1] if fma else parts
+    """``"BMxBNxWARPS"`` (e.g. ``"16x256x8"``) as a tile."""
+    numbers = text.strip().lower().split("x")
     if len(numbers) != 3 or not all(p.isdigit() and int(p) > 0 for p in numbers):
-        raise ValueError(f"a LoRA activation tile is BMxBNxWARPS or BMxBNxWARPSxfma, got {text!r}")
+        raise ValueError(f"a LoRA activation tile is BMxBNxWARPS (e.g. 16x256x8), got {text!r}")
     block_m, block_n, warps = map(int, numbers)
     if any(v & (v - 1) for v in (block_m, block_n, warps)):
         raise ValueError(f"a LoRA activation tile takes powers of two, got {text!r}")
-    return LoraTile(block_m, block_n, warps, fma)
+    if block_m < 16:
+        raise ValueError(f"a LoRA activation tile needs at least 16 rows (tl.dot's smallest), got {text!r}")
+    return LoraTile(block_m, block_n, warps)
 
 
 LORA_TILE = tile_from_text(os.environ.get("LIGHTNING_SLOTH_GLU_LORA_TILE", "16x256x8"))
@@ -326,14 +297,11 @@ the H100 at the 8B width (forward 0.58 against 64 x 64's 0.68 ms, backward 0.98 
 
 
 def _lora_launch(n_rows: int, n_cols: int, xa, b_gate, b_up, activation: str, tile: LoraTile) -> tuple:
-    """``(grid, constants, xa, b_gate, b_up)`` of the two LoRA kernels: with ``tile.fma`` the
-    adapters' operands go transposed (``[r, rows]``, ``[r, I]``), unit-stride along the tile."""
-    if tile.block_m < 16 and not tile.fma:
-        raise ValueError(f"a tensor-core tile needs block_m >= 16, got {tile}")
+    """``(grid, constants)`` of the two LoRA kernels."""
+    if tile.block_m < 16:
+        raise ValueError(f"a LoRA activation tile needs block_m >= 16 (tl.dot's smallest), got {tile}")
     grid = (triton.cdiv(n_rows, tile.block_m), triton.cdiv(n_cols, tile.block_n))
     rank_gate, rank_up = b_gate.shape[1], b_up.shape[1]
-    if tile.fma:
-        xa, b_gate, b_up = xa.t().contiguous(), b_gate.t().contiguous(), b_up.t().contiguous()
     constants = dict(
         ACTIVATION=ACTIVATIONS[activation],
         BLOCK_M=tile.block_m,
@@ -342,10 +310,9 @@ def _lora_launch(n_rows: int, n_cols: int, xa, b_gate, b_up, activation: str, ti
         RANK_GATE=max(16, triton.next_power_of_2(rank_gate)),
         RANK_UP=max(16, triton.next_power_of_2(rank_up)),
         IEEE=xa.dtype == torch.float32,
-        FMA=tile.fma,
         num_warps=tile.num_warps,
     )
-    return grid, constants, xa, b_gate, b_up
+    return grid, constants
 
 
 def glu_lora_forward(
@@ -379,9 +346,7 @@ def glu_lora_forward(
     if gate_rows.numel() == 0:
         return out
     ranks = b_gate.shape[1], b_up.shape[1]
-    grid, constants, xa, b_gate, b_up = _lora_launch(
-        n_rows, n_cols, xa, b_gate, b_up, activation, tile or LORA_TILE
-    )
+    grid, constants = _lora_launch(n_rows, n_cols, xa, b_gate, b_up, activation, tile or LORA_TILE)
     launchable(_glu_lora_forward_kernel)[grid](
         gate_rows, up_rows, out, xa, b_gate, b_up, n_rows, n_cols, *ranks,
         gate_rows.stride(0), up_rows.stride(0), xa.stride(0), b_gate.stride(0), b_up.stride(0),
@@ -418,9 +383,7 @@ def glu_lora_backward(
     if gate_rows.numel() == 0:
         return grad_gate, grad_up
     ranks = b_gate.shape[1], b_up.shape[1]
-    grid, constants, xa, b_gate, b_up = _lora_launch(
-        n_rows, n_cols, xa, b_gate, b_up, activation, tile or LORA_TILE
-    )
+    grid, constants = _lora_launch(n_rows, n_cols, xa, b_gate, b_up, activation, tile or LORA_TILE)
     launchable(_glu_lora_backward_kernel)[grid](
         grad_rows, gate_rows, up_rows, grad_gate_rows, grad_up_rows, xa, b_gate, b_up,
         n_rows, n_cols, *ranks,
