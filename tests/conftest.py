@@ -24,7 +24,14 @@ from lightning_sloth.attention import (
 )
 from lightning_sloth.linear_attention import get_linear_attention_backend, set_linear_attention_backend
 
-LONGEST_FIRST = ("test_readme.py", "test_fsdp.py", "test_offload.py", "test_resume.py", "test_fsdp_meta.py")
+LONGEST_FIRST = (
+    "test_readme.py",
+    "test_docs_commands.py",
+    "test_fsdp.py",
+    "test_offload.py",
+    "test_resume.py",
+    "test_fsdp_meta.py",
+)
 
 
 def pytest_configure(config):

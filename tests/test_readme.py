@@ -6,8 +6,8 @@ sets itself takes the short value). ``pip install`` lines are checked, not run: 
 parses and every extra exists in ``pyproject.toml``. ``python -m pytest`` runs with
 ``--collect-only``, ``python -m lightning_sloth.bench report`` with ``--check`` (no file is
 rewritten). A command that needs a GPU ends with ``# gpu``; those are the only ones skipped, and
-each test reports how many it ran and which it skipped. A docs command that is also a README
-command runs once, in the README's test.
+each test reports how many it ran and which it skipped. The docs' commands run in
+``test_docs_commands.py`` (a file of its own, so the two run side by side under ``--dist loadfile``).
 """
 
 import os
@@ -178,22 +178,6 @@ def run_commands(commands: list[tuple[str, bool]], cwd: Path) -> tuple[list[str]
 def test_every_readme_command_runs(tmp_path):
     ran, _, _ = run_commands(readme_commands((ROOT / "README.md").read_text()), tmp_path)
     assert len(ran) >= 12, ran
-
-
-@pytest.mark.slow
-def test_every_docs_command_runs(tmp_path):
-    def key(line: str) -> str:  # the command as the shell splits it: spacing and comments aside
-        return " && ".join(shlex.join(args) for args in split_and(line))
-
-    in_readme = {key(line) for line, _ in readme_commands((ROOT / "README.md").read_text())}
-    commands = [
-        (line, needs_gpu)
-        for path in sorted((ROOT / "docs").glob("*.md"))
-        for line, needs_gpu in readme_commands(path.read_text())
-        if key(line) not in in_readme
-    ]
-    ran, checked, skipped = run_commands(commands, tmp_path)
-    assert len(ran) + len(checked) + len(skipped) == len(commands) and ran, commands
 
 
 def test_extractor_reads_blocks_markers_and_chains():
