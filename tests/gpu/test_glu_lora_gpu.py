@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 # The default tile, then others benchmarks/glu_lora_tiles_bench.py compares (the old default, wide rows).
-TILES = [LORA_TILE, LoraTile(64, 64, 4), LoraTile(16, 1024, 8)]
+TILES = [LORA_TILE, LoraTile(64, 64, 4), LoraTile(16, 512, 8)]
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
