@@ -29,7 +29,7 @@ step tuning_base sloth_kernels,sloth_fp8
 # The step with the tile that was the default before 16x256x8, and with the fastest settings unless
 # they are the defaults already (then tuning_base ran them).
 LIGHTNING_SLOTH_GLU_LORA_TILE=64x64x4 step tuning_old_tile sloth_fp8
-default=$(python -c "from lightning_sloth.kernels.glu import LORA_TILE as t; print('x'.join(map(str, t[:3])) + ('xfma' if t.fma else ''))")
+default=$(python -c "from lightning_sloth.kernels.glu import LORA_TILE as t; print('x'.join(map(str, t)))")
 if [ "$tile" != "$default" ] || [ "$one_pass" != 4096 ]; then
     LIGHTNING_SLOTH_GLU_LORA_TILE=$tile LIGHTNING_SLOTH_FP8_ONE_PASS_COLS=$one_pass step tuning_tuned sloth_fp8
 fi
