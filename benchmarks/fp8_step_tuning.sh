@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The FP8 step's kernel settings on one GPU, from the repository root after `pip install -e .`:
 # the LoRA activation's tiles and the quantisation's row walk timed alone, the GPU tests of the
-# kernels they set, then the 8B step: bf16 and FP8 bases as they are, FP8 with the old 64x64x4 tile, and FP8 with the fastest tile
-# (and rows read once where that was faster alone). Results (JSON, logs) go to $OUT.
+# kernels they set, then the 8B step: bf16 and FP8 bases as they are, FP8 with the old 64x64x4
+# tile, and FP8 with the fastest tile (and rows read once where that was faster alone). Results
+# (JSON, logs) go to $OUT.
 #   OUT=/path bash benchmarks/fp8_step_tuning.sh
 # STEPS_ONLY=1: the kernels' settings as they are (no kernel benchmarks; their GPU tests after the
 # steps), and the bf16/FP8 pair timed a second time after the old tile, so the pair's ratio is read

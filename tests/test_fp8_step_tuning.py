@@ -1,7 +1,9 @@
-"""benchmarks/fp8_step_tuning.sh's order of runs, with a stand-in ``python`` on PATH that records
-what it is asked to run (the real interpreter answers the one-liner that spells the default tile)."""
+"""benchmarks/fp8_step_tuning.sh: its order of runs, with a stand-in ``python`` on PATH that records
+what it is asked to run (the real interpreter answers the one-liner that spells the default tile),
+and that one-liner's spelling of the default tile."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +54,14 @@ def test_steps_only_times_the_pair_around_the_old_tile_then_tests(tmp_path):
     ]
     assert all("scenario.workload.timed_steps=10" in c for c in calls if "lightning_sloth.bench" in c)
     assert not any("glu_lora_tiles_bench" in c or "fp8_quantize_bench" in c for c in calls)
+
+
+def test_the_tuning_script_spells_the_default_tile():
+    """benchmarks/fp8_step_tuning.sh compares the fastest tile with the default as its one-liner
+    spells it: that spelling must be one the environment variable reads back as the default."""
+    from lightning_sloth.kernels.glu import LORA_TILE, tile_from_text
+
+    script = (ROOT / "benchmarks" / "fp8_step_tuning.sh").read_text()
+    code = re.search(r'^default=\$\(python -c "(.*)"\)$', script, re.M).group(1)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert tile_from_text(out.strip()) == LORA_TILE
